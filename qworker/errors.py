@@ -1,0 +1,45 @@
+"""The error hierarchy: one class per result error code of DESIGN.md.
+
+Validation errors subclass ``ValueError`` and name the offending field, so
+``LLM.generate`` callers can catch plain ``ValueError`` while the worker maps
+``QworkerError.code`` straight onto the ``error.code`` of a result record.
+This module imports nothing beyond the standard library: the engine uses it.
+"""
+
+from __future__ import annotations
+
+
+class QworkerError(Exception):
+    """Base of every error qworker reports about a job; ``code`` is the result error code."""
+
+    code: str = "engine_error"
+
+
+class InvalidRequestError(QworkerError, ValueError):
+    """A job or parameter is malformed or unsupported (``invalid_request``)."""
+
+    code = "invalid_request"
+
+
+class ContextLengthExceededError(InvalidRequestError):
+    """The prompt (plus what must be generated) does not fit ``max_model_len``."""
+
+    code = "context_length_exceeded"
+
+
+class BatchExpiredError(QworkerError):
+    """The job's ``deadline`` passed before it could be served (``batch_expired``)."""
+
+    code = "batch_expired"
+
+
+class EngineError(QworkerError):
+    """The engine failed while serving an otherwise valid job (``engine_error``)."""
+
+    code = "engine_error"
+
+
+class ModelLoadError(QworkerError, ValueError):
+    """The model directory, weights or architecture cannot be loaded."""
+
+    code = "engine_error"

@@ -1,0 +1,57 @@
+"""What the engine needs from a model: its shape (``ModelSpec``) and a paged forward."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from qworker.attention.backend import AttentionBackend, AttentionMetadata, KVCache
+
+
+@dataclass(slots=True)
+class ModelSpec:
+    """The facts about a loaded model that sizing, scheduling and sampling rely on."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    dtype: torch.dtype
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+    sliding_window: int | None = None
+
+
+class CausalLM(nn.Module, ABC):
+    """A decoder-only language model that reads and writes a paged KV cache.
+
+    ``forward`` takes the step's flattened tokens (``input_ids`` and ``positions``,
+    int64 ``[num_tokens]``) and returns final hidden states ``[num_tokens, hidden]``;
+    each attention layer ``i`` calls ``backend.write_kv`` then ``backend.forward`` on
+    ``kv_cache.key[i]`` / ``kv_cache.value[i]``. ``compute_logits`` maps selected
+    hidden states to fp32 logits ``[n, vocab_size]``.
+    """
+
+    spec: ModelSpec
+
+    @abstractmethod
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """Run every layer over the step's tokens; return final hidden states."""
+
+    @abstractmethod
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Project hidden states ``[n, hidden]`` to fp32 logits ``[n, vocab_size]``."""

@@ -1,0 +1,35 @@
+"""Shared test setup. Fixtures live in ``tests/fixtures/`` by concern:
+
+- ``models``: tiny random model directories (HF safetensors) and the SmolLM2 GGUF;
+- ``servers``: the tansu Kafka broker and moto's S3/SQS server on free loopback ports.
+
+Fixtures that need worker-only packages (boto3, aiokafka, ...) import them lazily,
+so ``python3 -m pytest -m gpu tests/`` runs on the GPU machine without them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Two cores are shared by torch and the servers; keep torch from oversubscribing them.
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+pytest_plugins = ["tests.fixtures.models", "tests.fixtures.servers"]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip ``gpu``-marked tests cleanly when no CUDA device is present."""
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
