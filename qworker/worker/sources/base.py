@@ -1,0 +1,66 @@
+"""The source interface: where jobs come from (Kafka, SQS, a local file).
+
+A source hands the worker ``Message`` objects and learns each one's fate:
+``ack`` once its result is durably in the sink, ``abandon`` when the worker
+gave up on it at drain time (it must be redelivered later), ``dead_letter``
+when it is not even a JSON object (the source then treats it as acked).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(slots=True)
+class Message:
+    """One job as delivered by a source.
+
+    ``message_id`` is human-readable and goes on every log line about the job:
+    ``"topic/partition/offset"`` for Kafka, the SQS MessageId, ``"file:<line>"``
+    for the file spool. ``handle`` is private to the source that produced it.
+    """
+
+    body: bytes
+    message_id: str
+    key: str | None
+    handle: Any
+    received_at: float
+
+
+class Source(ABC):
+    """An at-least-once stream of job messages.
+
+    All methods are coroutines called from the worker's event loop; none may block
+    it. ``on_revoke`` is set by the worker: the source calls it with in-flight
+    messages it can no longer acknowledge (a Kafka rebalance) so the worker aborts
+    them; later acks of those messages are ignored by the source.
+    """
+
+    on_revoke: Callable[[list[Message]], None] | None = None
+
+    @abstractmethod
+    async def start(self) -> None:
+        """Connect / join the group; called once before ``receive``."""
+
+    @abstractmethod
+    async def receive(self, max_messages: int, timeout: float) -> list[Message]:
+        """Return up to ``max_messages`` new messages, or ``[]`` after ``timeout`` seconds."""
+
+    @abstractmethod
+    async def ack(self, msg: Message) -> None:
+        """Record that ``msg``'s result is durably in the sink (commit / delete)."""
+
+    @abstractmethod
+    async def abandon(self, msg: Message) -> None:
+        """Give ``msg`` back unfinished (drain): it must be redelivered, never acked."""
+
+    @abstractmethod
+    async def dead_letter(self, msg: Message, reason: str) -> None:
+        """Send ``msg`` to the dead-letter target with ``reason``; it then counts as acked."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Final commit of finished work and leave the group; idempotent."""
