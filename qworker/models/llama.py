@@ -1,0 +1,250 @@
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3) with a paged KV cache.
+
+One implementation covers the four: they differ only in configuration (attention
+bias, per-head q/k RMSNorm for Qwen3, sliding windows, RoPE scaling), which is read
+from the transformers config object. Parameter names mirror transformers' so a
+checkpoint loads by name, except that q/k/v and gate/up are fused into one matmul
+each (``qkv_proj``, ``gate_up_proj``) for speed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qworker.attention.backend import AttentionBackend, AttentionMetadata, KVCache
+from qworker.models.base import CausalLM, ModelSpec
+from qworker.models.layers import FusedLinear, RMSNorm, activation
+from qworker.models.rope import RotaryEmbedding
+from qworker.models.weights import StackedRule, check_all_loaded, load_weights
+
+
+def _head_dim(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def layer_sliding_windows(config: Any) -> list[int | None]:
+    """Each layer's sliding window in tokens (None: full attention).
+
+    Mistral applies ``sliding_window`` to every layer; Qwen2/Qwen3 only when
+    ``use_sliding_window`` is set, and then per ``layer_types``.
+    """
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    if window is None or (hasattr(config, "use_sliding_window") and not config.use_sliding_window):
+        return [None] * n
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return [window if t == "sliding_attention" else None for t in layer_types]
+    return [window] * n
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention with GQA/MQA, RoPE and optional q/k norm, over one layer's KV pages."""
+
+    def __init__(
+        self, config: Any, layer_idx: int, rotary: RotaryEmbedding, sliding_window: int | None
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads or self.num_heads
+        self.head_dim = _head_dim(config)
+        self.scale = self.head_dim**-0.5
+        self.sliding_window = sliding_window
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+        self.qkv_proj = FusedLinear(
+            config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=bias
+        )
+        o_bias = bool(getattr(config, "attention_bias", False)) and config.model_type != "qwen2"
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=o_bias)
+        if config.model_type == "qwen3":
+            self.q_norm: RMSNorm | None = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm: RMSNorm | None = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = None
+            self.k_norm = None
+        self.rotary = rotary
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """Project, rotate, write this step's K/V into the pool, attend, project out."""
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.split_sizes, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        key_cache = kv_cache.key[self.layer_idx]
+        value_cache = kv_cache.value[self.layer_idx]
+        backend.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+        out = backend.forward(q, key_cache, value_cache, meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    """Gated MLP: ``down(act(gate(x)) * up(x))`` with gate and up fused."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        inter = config.intermediate_size
+        self.gate_up_proj = FusedLinear(config.hidden_size, {"gate": inter, "up": inter}, bias=bias)
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=bias)
+        self.act = activation(getattr(config, "hidden_act", "silu"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the gated MLP to ``[num_tokens, hidden]``."""
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm transformer block: attention then MLP, each with a residual."""
+
+    def __init__(
+        self, config: Any, layer_idx: int, rotary: RotaryEmbedding, sliding_window: int | None
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx, rotary, sliding_window)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """Run the block over the step's tokens."""
+        residual = hidden
+        hidden = self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta, backend)
+        hidden = residual + hidden
+        residual = hidden
+        hidden = self.mlp(self.post_attention_layernorm(hidden))
+        return residual + hidden
+
+
+class LlamaModel(nn.Module):
+    """Embeddings, decoder layers and the final norm (transformers' ``model.`` prefix)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        rotary = RotaryEmbedding(config, _head_dim(config), config.max_position_embeddings)
+        windows = layer_sliding_windows(config)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, rotary, windows[i])
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(CausalLM):
+    """Llama-architecture causal LM reading and writing a paged KV cache.
+
+    Construct from a transformers config (``LlamaConfig``, ``MistralConfig``,
+    ``Qwen2Config``, ``Qwen3Config``); parameters start uninitialised: fill them with
+    ``load_weights``. ``dtype`` is recorded in ``spec`` (the loader casts the module).
+    """
+
+    stacked_params: ClassVar[list[StackedRule]] = [
+        (".q_proj.", ".qkv_proj.", "q"),
+        (".k_proj.", ".qkv_proj.", "k"),
+        (".v_proj.", ".qkv_proj.", "v"),
+        (".gate_proj.", ".gate_up_proj.", "gate"),
+        (".up_proj.", ".gate_up_proj.", "up"),
+    ]
+
+    def __init__(self, config: Any, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+        windows = layer_sliding_windows(config)
+        uniform_window = windows[0] if windows and all(w == windows[0] for w in windows) else None
+        self.spec = ModelSpec(
+            architecture=type(self).__name__,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            num_layers=config.num_hidden_layers,
+            num_q_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads or config.num_attention_heads,
+            head_dim=_head_dim(config),
+            max_position_embeddings=config.max_position_embeddings,
+            dtype=dtype,
+            bos_token_id=getattr(config, "bos_token_id", None),
+            sliding_window=uniform_window,
+        )
+
+    def tie_weights(self) -> None:
+        """Share the embedding matrix with the LM head when the config ties them."""
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """Run every layer over the step's flattened tokens; return final hidden states."""
+        hidden = self.model.embed_tokens(input_ids)
+        metas: dict[int | None, AttentionMetadata] = {meta.sliding_window: meta}
+        for layer in self.model.layers:
+            window = layer.self_attn.sliding_window
+            layer_meta = metas.get(window)
+            if layer_meta is None:
+                # Qwen2-style models mix windowed and full layers; the runner's metadata
+                # carries one window, so each layer sees its own without a rebuild.
+                layer_meta = dataclasses.replace(meta, sliding_window=window)
+                metas[window] = layer_meta
+            hidden = layer(positions, hidden, kv_cache, layer_meta, backend)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Project hidden states ``[n, hidden]`` to fp32 logits ``[n, vocab_size]``."""
+        return F.linear(hidden, self.lm_head.weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Fill every parameter from transformers-named tensors; raise if any is missing."""
+        skip: tuple[str, ...] = ("rotary_emb.inv_freq",)
+        if self.tie_word_embeddings:
+            skip = (*skip, "lm_head.weight")
+        loaded = load_weights(self, weights, self.stacked_params, skip)
+        check_all_loaded(self, loaded)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama with a sliding attention window on every layer."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: Llama with q/k/v biases and optional per-layer sliding windows."""
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3: Llama with per-head RMSNorm on queries and keys before RoPE."""

