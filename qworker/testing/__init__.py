@@ -1,0 +1,1 @@
+"""Test and chaos helpers that ship with qworker (standard library only)."""
