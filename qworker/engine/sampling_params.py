@@ -48,10 +48,14 @@ class SamplingParams:
         if not _is_finite_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
-            raise InvalidRequestError(f"top_k must be -1, 0 or a positive integer, got {self.top_k!r}")
+            raise InvalidRequestError(
+                f"top_k must be -1, 0 or a positive integer, got {self.top_k!r}"
+            )
         if not _is_finite_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool)
+        ):
             raise InvalidRequestError(f"seed must be an integer or None, got {self.seed!r}")
         if self.max_tokens is not None and (
             not isinstance(self.max_tokens, int)
@@ -62,9 +66,13 @@ class SamplingParams:
                 f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}"
             )
         if self.logprobs is not None and (
-            not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool) or self.logprobs < 0
+            not isinstance(self.logprobs, int)
+            or isinstance(self.logprobs, bool)
+            or self.logprobs < 0
         ):
-            raise InvalidRequestError(f"logprobs must be an integer >= 0 or None, got {self.logprobs!r}")
+            raise InvalidRequestError(
+                f"logprobs must be an integer >= 0 or None, got {self.logprobs!r}"
+            )
         if not _is_finite_number(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise InvalidRequestError(
                 f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}"
@@ -72,13 +80,17 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
         self.stop_strings = _normalize_stop(self.stop)
-        if self.stop_token_ids is not None:
-            if not isinstance(self.stop_token_ids, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
-            ):
-                raise InvalidRequestError(
-                    f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}"
-                )
+        if self.stop_token_ids is not None and (
+            not isinstance(self.stop_token_ids, list)
+            or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                for t in self.stop_token_ids
+            )
+        ):
+            raise InvalidRequestError(
+                "stop_token_ids must be a list of non-negative integers, "
+                f"got {self.stop_token_ids!r}"
+            )
 
     @property
     def greedy(self) -> bool:

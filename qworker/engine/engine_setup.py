@@ -1,0 +1,171 @@
+"""Build an engine's parts from an ``EngineConfig``: device, dtype, model, pool size.
+
+Pool sizing: ``num_kv_blocks`` if given; else ``kv_cache_memory`` bytes (CPU default
+1 GiB); else on a GPU, ``gpu_memory_utilization`` x device memory minus the weights and
+the activation peak measured by a profiling forward at ``max_num_batched_tokens``. A
+pool that cannot hold one ``max_model_len`` sequence is refused with the largest
+``max_model_len`` that would fit.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from qworker.engine.config import EngineConfig
+from qworker.engine.kv_cache_manager import KVCacheManager
+from qworker.engine.model_runner import DEFAULT_CPU_KV_MEMORY, ModelRunner, select_backend
+from qworker.engine.output_processor import OutputProcessor
+from qworker.engine.sampler import Sampler
+from qworker.engine.scheduler import Scheduler
+from qworker.models.base import ModelSpec
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class EngineParts:
+    """Everything an ``Engine`` is made of."""
+
+    tokenizer: Any | None
+    spec: ModelSpec
+    max_model_len: int
+    runner: ModelRunner
+    kv: KVCacheManager
+    scheduler: Scheduler
+    sampler: Sampler
+    outputs: OutputProcessor
+    max_concurrent_full_length_seqs: int
+
+
+def resolve_device(name: str) -> torch.device:
+    """"auto" is CUDA when available, else CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {name!r}")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """"auto" is bfloat16 on a GPU, float32 on CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {name!r}")
+    return _DTYPES[name]
+
+
+def check_config(config: EngineConfig) -> None:
+    """Reject engine settings that cannot work, naming the field."""
+    if config.block_size not in (8, 16, 32):
+        raise ValueError(f"block_size must be 8, 16 or 32, got {config.block_size}")
+    if config.max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {config.max_num_seqs}")
+    if config.max_num_batched_tokens < 1:
+        raise ValueError(
+            f"max_num_batched_tokens must be >= 1, got {config.max_num_batched_tokens}"
+        )
+    if config.preemption_mode not in ("recompute", "swap"):
+        raise ValueError(
+            f"preemption_mode must be 'recompute' or 'swap', got {config.preemption_mode!r}"
+        )
+    if not 0.0 < config.gpu_memory_utilization <= 1.0:
+        raise ValueError(
+            f"gpu_memory_utilization must be in (0, 1], got {config.gpu_memory_utilization}"
+        )
+    if config.num_kv_blocks is not None and config.num_kv_blocks < 1:
+        raise ValueError(f"num_kv_blocks must be >= 1, got {config.num_kv_blocks}")
+    if config.max_model_len is not None and config.max_model_len < 2:
+        raise ValueError(f"max_model_len must be >= 2, got {config.max_model_len}")
+
+
+def build_engine_parts(config: EngineConfig) -> EngineParts:
+    """Load the model and tokenizer, size the pool, and wire the engine's parts."""
+    from qworker.models.loader import load_model, load_tokenizer
+
+    check_config(config)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    if config.seed is not None:
+        torch.manual_seed(config.seed)
+    loaded = load_model(config.model, dtype, device)
+    spec = loaded.spec
+    tokenizer = load_tokenizer(config.tokenizer or loaded.source)
+    max_model_len = config.max_model_len or spec.max_position_embeddings
+    if max_model_len > spec.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+            f"{spec.max_position_embeddings}"
+        )
+    backend = select_backend(config.attention_backend, device)
+    bs = config.block_size
+    blocks_per_seq = -(-max_model_len // bs)
+    probe_blocks = -(-min(max_model_len, config.max_num_batched_tokens) // bs) + 1
+    first_blocks = config.num_kv_blocks or probe_blocks
+    runner = ModelRunner(loaded.model, spec, device, bs, first_blocks, backend)
+    num_blocks = plan_num_blocks(config, runner, max_model_len)
+    if num_blocks != first_blocks:
+        runner.reallocate_pool(num_blocks)
+    if num_blocks < blocks_per_seq:
+        raise ValueError(
+            f"the KV pool holds {num_blocks} blocks of {bs} tokens ({num_blocks * bs} tokens), "
+            f"too few for one max_model_len={max_model_len} sequence; the largest "
+            f"max_model_len that fits is {num_blocks * bs} (or give the pool more memory)"
+        )
+    num_swap = 0
+    if config.preemption_mode == "swap":
+        num_swap = max(0, config.swap_space // runner.bytes_per_block())
+        runner.attach_swap_pool(num_swap)
+    fit = num_blocks // blocks_per_seq
+    logger.info(
+        "KV pool: %d blocks of %d tokens (%.1f MiB) on %s; %d sequences of max_model_len=%d "
+        "fit; attention backend %s; swap blocks %d",
+        num_blocks, bs, num_blocks * runner.bytes_per_block() / 2**20, device, fit,
+        max_model_len, backend.name, num_swap,
+    )
+    kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, num_swap)
+    scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens,
+                          config.preemption_mode)
+    eos = list(spec.eos_token_ids)
+    return EngineParts(
+        tokenizer=tokenizer,
+        spec=spec,
+        max_model_len=max_model_len,
+        runner=runner,
+        kv=kv,
+        scheduler=scheduler,
+        sampler=Sampler(device),
+        outputs=OutputProcessor(tokenizer, eos, max_model_len),
+        max_concurrent_full_length_seqs=fit,
+    )
+
+
+def plan_num_blocks(config: EngineConfig, runner: ModelRunner, max_model_len: int) -> int:
+    """How many blocks the pool gets (see the module docstring)."""
+    per_block = runner.bytes_per_block()
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    if config.kv_cache_memory is not None:
+        return max(0, config.kv_cache_memory // per_block)
+    if runner.device.type != "cuda":
+        return DEFAULT_CPU_KV_MEMORY // per_block
+    dev = runner.device
+    peak = runner.profile_peak_bytes(config.max_num_batched_tokens, max_model_len)
+    free, total = torch.cuda.mem_get_info(dev)
+    in_use = torch.cuda.memory_allocated(dev) - runner.kv_cache.key.nbytes * 2
+    non_torch = max(0, (total - free) - torch.cuda.memory_reserved(dev))
+    budget = int(config.gpu_memory_utilization * total) - in_use - peak - non_torch
+    logger.info(
+        "GPU memory: total %.1f GiB, weights+other %.2f GiB, activation peak %.2f GiB, "
+        "non-torch %.2f GiB -> KV budget %.2f GiB",
+        total / 2**30, in_use / 2**30, peak / 2**30, non_torch / 2**30, budget / 2**30,
+    )
+    return max(0, budget // per_block)
