@@ -1,0 +1,250 @@
+"""The ``qworker`` command line: run, generate, produce, collect, cost.
+
+Settings are read here, once, into a ``WorkerSettings`` (flags over ``QWORKER_*``
+environment over ``.env`` over defaults) and passed down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import importlib.util
+import sys
+import types
+import typing
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from pydantic import ValidationError
+
+from qworker.config import WorkerSettings
+
+_ENGINE_FIELDS = (
+    "dtype",
+    "device",
+    "block_size",
+    "num_kv_blocks",
+    "kv_cache_memory",
+    "gpu_memory_utilization",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_model_len",
+    "enable_prefix_caching",
+    "preemption_mode",
+    "swap_space",
+    "attention_backend",
+    "seed",
+)
+
+
+def _flag_type(annotation: Any) -> tuple[Any, list[Any] | None, bool]:
+    """(argparse type, choices, is_bool) for a settings field annotation."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType) and len(args) == 1:
+        return _flag_type(args[0])
+    if origin is typing.Literal:
+        values = list(typing.get_args(annotation))
+        return type(values[0]), values, False
+    if annotation is bool:
+        return None, None, True
+    if annotation in (int, float):
+        return annotation, None, False
+    return str, None, False
+
+
+def add_settings_flags(parser: argparse.ArgumentParser, names: Sequence[str] | None = None) -> None:
+    """Add ``--name-with-dashes`` for each settings field (all when ``names`` is None)."""
+    for name, info in WorkerSettings.model_fields.items():
+        if names is not None and name not in names:
+            continue
+        flag = "--" + name.replace("_", "-")
+        kind, choices, is_bool = _flag_type(info.annotation)
+        help_text = f"{info.description} (env QWORKER_{name.upper()}, default {info.default!r})"
+        if is_bool:
+            parser.add_argument(
+                flag,
+                dest=name,
+                action=argparse.BooleanOptionalAction,
+                default=argparse.SUPPRESS,
+                help=help_text,
+            )
+        else:
+            parser.add_argument(
+                flag,
+                dest=name,
+                type=kind,
+                choices=choices,
+                default=argparse.SUPPRESS,
+                help=help_text,
+            )
+
+
+def load_settings(args: argparse.Namespace) -> WorkerSettings:
+    """Settings from parsed flags (only those given) over env / ``.env`` / defaults."""
+    overrides = {k: v for k, v in vars(args).items() if k in WorkerSettings.model_fields}
+    return WorkerSettings(**overrides)
+
+
+def _settings_error(exc: ValidationError) -> str:
+    lines = ["invalid settings:"]
+    for err in exc.errors():
+        name = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        lines.append(f"  {name} (--{name.replace('_', '-')} / QWORKER_{name.upper()}): {msg}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser (exposed for tests and docs)."""
+    parser = argparse.ArgumentParser(
+        prog="qworker", description="GPU batch-inference worker (OpenAI batch format)."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser(
+        "run",
+        help="serve jobs from a source into a sink until stopped",
+        description="Serve jobs from --source into --sink. Every flag also "
+        "reads from QWORKER_<NAME> and .env; flags win.",
+    )
+    add_settings_flags(run)
+
+    gen = sub.add_parser(
+        "generate",
+        help="run an OpenAI batch file through the engine, offline",
+        description="Offline, like `vllm run-batch`: streams the input with bounded memory "
+        "(at most --window jobs in flight) and writes one output line per non-blank input "
+        "line IN INPUT ORDER. Invalid lines become error lines in the same output. "
+        "Progress goes to stderr.",
+    )
+    gen.add_argument("-i", "--input", required=True, help="requests.jsonl (OpenAI batch input)")
+    gen.add_argument("-o", "--output", required=True, help="results.jsonl to write")
+    gen.add_argument("--window", type=int, default=256, help="jobs read ahead (default 256)")
+    add_settings_flags(gen, ("model", "max_job_bytes", *_ENGINE_FIELDS))
+
+    prod = sub.add_parser("produce", help="push an OpenAI batch file as jobs to a source URI")
+    prod.add_argument("-i", "--input", required=True, help="requests.jsonl")
+    prod.add_argument("--to", required=True, help="kafka://..., sqs://... or file://...")
+    prod.add_argument("--batch-id", help="set batch_id on every job")
+    add_settings_flags(prod, ("sqs_endpoint_url", "aws_region"))
+
+    col = sub.add_parser("collect", help="merge a batch's stored results into JSONL files")
+    col.add_argument("--from", dest="from_uri", required=True, help="s3://... or file://...")
+    col.add_argument("--batch-id", required=True, help="the batch to collect ('default' if none)")
+    col.add_argument("-o", "--output", required=True, help="results.jsonl")
+    col.add_argument("--errors", help="errors.jsonl (default: errors go to --output too)")
+    add_settings_flags(col, ("s3_endpoint_url", "aws_region"))
+
+    sub.add_parser("cost", help="cost estimates (see `qworker cost --help`)", add_help=False)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``qworker`` console script; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "cost":
+        return _cost(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        settings = load_settings(args)
+    except ValidationError as exc:
+        print(_settings_error(exc), file=sys.stderr)
+        return 2
+    handler = {"run": _run, "generate": _generate, "produce": _produce, "collect": _collect}
+    try:
+        return handler[args.command](args, settings)
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        print(f"qworker {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace, settings: WorkerSettings) -> int:
+    from qworker.worker.app import serve
+    from qworker.worker.logs import configure_logging
+
+    configure_logging(settings.log_level, settings.log_format)
+    code, summary = asyncio.run(serve(settings))
+    print("qworker run summary\n" + summary.text(), file=sys.stderr)
+    return code
+
+
+def _generate(args: argparse.Namespace, settings: WorkerSettings) -> int:
+    from qworker.worker.app import build_engine
+    from qworker.worker.generate import generate_file
+    from qworker.worker.logs import configure_logging
+
+    configure_logging("WARNING", "text")
+    if args.window < 1:
+        raise ValueError("--window must be >= 1")
+    print(f"generate: loading model {settings.model}", file=sys.stderr)
+    engine = build_engine(settings)
+    with open(args.output, "wb") as out:
+        stats = generate_file(engine, args.input, out, args.window, settings.max_job_bytes)
+    print(
+        f"generate: wrote {stats.ok + stats.errors} lines to {args.output} "
+        f"({stats.ok} ok, {stats.errors} errors) in {stats.elapsed:.1f}s",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _produce_items(path: str, batch_id: str | None) -> Iterator[tuple[str | None, bytes]]:
+    import orjson
+
+    with open(path, "rb") as f:
+        for raw in f:
+            body = raw.strip()
+            if not body:
+                continue
+            key = None
+            try:
+                data = orjson.loads(body)
+            except orjson.JSONDecodeError:
+                data = None  # sent as is: the worker dead-letters it
+            if isinstance(data, dict):
+                if isinstance(data.get("custom_id"), str):
+                    key = data["custom_id"]
+                if batch_id is not None:
+                    data["batch_id"] = batch_id
+                    body = orjson.dumps(data)
+            yield key, body
+
+
+def _produce(args: argparse.Namespace, settings: WorkerSettings) -> int:
+    from qworker.worker.sources import produce
+
+    sent = produce(args.to, _produce_items(args.input, args.batch_id), settings)
+    print(f"produce: sent {sent} jobs to {args.to}", file=sys.stderr)
+    return 0
+
+
+def _collect(args: argparse.Namespace, settings: WorkerSettings) -> int:
+    import orjson
+
+    from qworker.worker.sinks import collect
+
+    n_ok = n_err = 0
+    with open(args.output, "wb") as out:
+        errors = open(args.errors, "wb") if args.errors else out  # noqa: SIM115
+        try:
+            for body in collect(args.from_uri, args.batch_id, settings):
+                line = body.strip() + b"\n"
+                is_error = orjson.loads(body).get("error") is not None
+                (errors if is_error else out).write(line)
+                n_err += is_error
+                n_ok += not is_error
+        finally:
+            if errors is not out:
+                errors.close()
+    print(f"collect: {n_ok} results, {n_err} errors for batch {args.batch_id}", file=sys.stderr)
+    return 0
+
+
+def _cost(argv: list[str]) -> int:
+    if importlib.util.find_spec("qworker.cost") is None:
+        print("qworker cost: not available in this build (qworker.cost missing)", file=sys.stderr)
+        return 2
+    module = importlib.import_module("qworker.cost")
+    return int(module.main(argv) or 0)

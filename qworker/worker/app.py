@@ -1,0 +1,74 @@
+"""Assembles a worker from settings: metrics server, signals, engine, source, sink.
+
+This is the one place that turns ``WorkerSettings`` into running objects; the CLI
+calls ``serve`` and the tests may too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from qworker.config import WorkerSettings
+from qworker.worker.drain import DrainControl
+from qworker.worker.engine_thread import EngineLike
+from qworker.worker.metrics import WorkerMetrics
+from qworker.worker.sinks import open_sink, sink_prefix
+from qworker.worker.sources import open_source
+from qworker.worker.summary import RunSummary
+from qworker.worker.worker import Worker
+
+log = logging.getLogger(__name__)
+
+
+def build_engine(settings: WorkerSettings) -> EngineLike:
+    """The echo engine for ``echo://`` models, else the real ``Engine`` (loads weights)."""
+    if settings.is_echo:
+        from qworker.worker.echo_engine import EchoEngine
+
+        return EchoEngine.from_uri(settings.model)
+    from qworker.engine.engine import Engine
+
+    return Engine(settings.engine_config())
+
+
+async def serve(settings: WorkerSettings) -> tuple[int, RunSummary]:
+    """Run one worker until it drains; return (exit code, summary).
+
+    ``/healthz`` answers from the start, ``/readyz`` only once the model is loaded
+    and until the drain begins. A signal during model loading stops after the load.
+    """
+    loop = asyncio.get_running_loop()
+    drain = DrainControl()
+    drain.install(loop)
+    metrics = WorkerMetrics()
+    try:
+        try:
+            port = metrics.serve(settings.metrics_port)
+            log.info("metrics on http://0.0.0.0:%d/metrics (also /healthz, /readyz)", port)
+        except OSError as exc:
+            log.warning(
+                "metrics port %d unavailable (%s): serving no metrics", settings.metrics_port, exc
+            )
+        source = open_source(settings.source, settings)
+        sink = open_sink(settings.sink, settings)
+        log.info("loading model %s", settings.model)
+        engine = await asyncio.to_thread(build_engine, settings)
+        stats = engine.stats()
+        log.info(
+            "engine ready: model %s, %d KV blocks of %d tokens, max_model_len %d",
+            engine.model_name,
+            stats.get("num_kv_blocks", 0),
+            stats.get("block_size", 0),
+            engine.max_model_len,
+        )
+        worker = Worker(settings, engine, source, sink, sink_prefix(settings.sink), metrics, drain)
+        if drain.draining.is_set():
+            log.warning("stop requested while loading: exiting before serving")
+            return 0, worker.summary
+        log.info("serving jobs from %s into %s", settings.source, settings.sink)
+        summary = await worker.run()
+        return worker.exit_code, summary
+    finally:
+        drain.uninstall(loop)
+        metrics.close()

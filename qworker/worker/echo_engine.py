@@ -1,0 +1,190 @@
+"""A model-free engine with the ``Engine`` surface, for worker tests and benchmarks.
+
+Selected by the model value ``echo://`` (query options: ``delay_ms`` sleeps that long
+in every step; ``steps`` is how many steps a request takes, default 1;
+``max_model_len`` and ``num_kv_blocks`` size the imaginary pool). Tokens are UTF-8
+bytes; a request's completion echoes its prompt tokens (at most ``max_tokens``), so
+``text`` is the prompt text. KV accounting imitates a paged pool of 16-token blocks.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass
+from urllib.parse import parse_qs, urlsplit
+
+from qworker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from qworker.engine.sampling_params import SamplingParams
+from qworker.errors import ContextLengthExceededError, InvalidRequestError
+
+BLOCK_SIZE = 16
+
+
+@dataclass(slots=True)
+class _EchoRequest:
+    request_id: str
+    prompt: str | None
+    token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    steps_left: int
+    aborted: bool = False
+
+
+class EchoEngine:
+    """Finishes each request after ``steps`` steps with its prompt echoed back.
+
+    Thread-safe like the real engine: ``add_request``, ``abort``, ``has_unfinished``
+    and ``stats`` from any thread, ``step`` from one.
+    """
+
+    tokenizer = None
+    model_name = "echo"
+
+    def __init__(
+        self,
+        delay_ms: float = 0.0,
+        steps: int = 1,
+        max_model_len: int = 4096,
+        num_kv_blocks: int = 4096,
+    ) -> None:
+        self.delay_s = delay_ms / 1000.0
+        self.steps = max(1, steps)
+        self.max_model_len = max_model_len
+        self.num_kv_blocks = num_kv_blocks
+        self._lock = threading.Lock()
+        self._inbox: list[_EchoRequest] = []
+        self._running: dict[str, _EchoRequest] = {}
+        self._ids: set[str] = set()
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+
+    @classmethod
+    def from_uri(cls, uri: str) -> EchoEngine:
+        """Build from ``echo://[?delay_ms=N&steps=S&max_model_len=L&num_kv_blocks=B]``."""
+        query = parse_qs(urlsplit(uri).query)
+        opts = {k: v[-1] for k, v in query.items()}
+        return cls(
+            delay_ms=float(opts.get("delay_ms", 0)),
+            steps=int(opts.get("steps", 1)),
+            max_model_len=int(opts.get("max_model_len", 4096)),
+            num_kv_blocks=int(opts.get("num_kv_blocks", 4096)),
+        )
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """``role: content`` lines as UTF-8 bytes (a stand-in for a chat template)."""
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        return list(text.encode("utf-8"))
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validate like the engine (empty, too long, duplicate id) and queue the request."""
+        if isinstance(prompt, str):
+            token_ids, text = list(prompt.encode("utf-8")), prompt
+        else:
+            token_ids, text = list(prompt), None
+        if not token_ids:
+            raise InvalidRequestError("prompt must not be empty")
+        if len(token_ids) + 1 > self.max_model_len:
+            raise ContextLengthExceededError(
+                f"prompt is {len(token_ids)} tokens; max_model_len is {self.max_model_len}"
+            )
+        req = _EchoRequest(
+            request_id,
+            text,
+            token_ids,
+            params,
+            RequestMetrics(arrival_time=arrival_time or time.time()),
+            self.steps,
+        )
+        with self._lock:
+            if request_id in self._ids:
+                raise InvalidRequestError(f"duplicate request_id {request_id!r}")
+            self._ids.add(request_id)
+            self._inbox.append(req)
+
+    def abort(self, request_id: str) -> None:
+        """Mark a request aborted; it is returned with finish_reason "abort" next step."""
+        with self._lock:
+            for req in self._inbox:
+                if req.request_id == request_id:
+                    req.aborted = True
+            if request_id in self._running:
+                self._running[request_id].aborted = True
+
+    def has_unfinished(self) -> bool:
+        """True while any request is queued or running."""
+        with self._lock:
+            return bool(self._inbox or self._running)
+
+    def step(self) -> list[RequestOutput]:
+        """Advance every request one step; return those that finished or were aborted."""
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        now = time.time()
+        finished: list[RequestOutput] = []
+        with self._lock:
+            for req in self._inbox:
+                self._running[req.request_id] = req
+                req.metrics.first_scheduled_time = now
+                self._prompt_tokens += len(req.token_ids)
+            self._inbox.clear()
+            for rid, req in list(self._running.items()):
+                req.steps_left -= 1
+                if req.metrics.first_token_time is None:
+                    req.metrics.first_token_time = now
+                if req.aborted or req.steps_left <= 0:
+                    del self._running[rid]
+                    self._ids.discard(rid)
+                    finished.append(self._output(req, now))
+        return finished
+
+    def _output(self, req: _EchoRequest, now: float) -> RequestOutput:
+        req.metrics.finished_time = now
+        limit = req.params.max_tokens or len(req.token_ids)
+        ids = req.token_ids[:limit]
+        if req.aborted:
+            reason = "abort"
+        else:
+            reason = "length" if len(ids) < len(req.token_ids) else "stop"
+            self._generation_tokens += len(ids) * req.params.n
+        text = bytes(t for t in ids if t < 256).decode("utf-8", errors="replace")
+        logprobs = [{t: 0.0} for t in ids] if req.params.logprobs is not None else None
+        outputs = [
+            CompletionOutput(i, text, list(ids), 0.0, logprobs, reason) for i in range(req.params.n)
+        ]
+        return RequestOutput(req.request_id, req.prompt, req.token_ids, outputs, True, req.metrics)
+
+    def stats(self) -> dict:
+        """The engine's stats keys, from an imaginary pool of 16-token blocks."""
+        with self._lock:
+            waiting = sum(math.ceil(len(r.token_ids) / BLOCK_SIZE) for r in self._inbox)
+            used = sum(math.ceil(len(r.token_ids) / BLOCK_SIZE) for r in self._running.values())
+            n_wait, n_run = len(self._inbox), len(self._running)
+            prompt_tokens, gen_tokens = self._prompt_tokens, self._generation_tokens
+        return {
+            "num_kv_blocks": self.num_kv_blocks,
+            "block_size": BLOCK_SIZE,
+            "kv_blocks_used": used,
+            "kv_cache_usage_perc": used / self.num_kv_blocks,
+            "num_free_blocks": self.num_kv_blocks - used,
+            "prefix_cache_queries": 0,
+            "prefix_cache_hits": 0,
+            "num_preemptions": 0,
+            "prompt_tokens": prompt_tokens,
+            "generation_tokens": gen_tokens,
+            "num_requests_running": n_run,
+            "num_requests_waiting": n_wait,
+            "waiting_prompt_blocks": waiting,
+            "max_model_len": self.max_model_len,
+            "max_num_seqs": 1 << 30,
+            "max_concurrent_full_length_seqs": self.num_kv_blocks
+            // math.ceil(self.max_model_len / BLOCK_SIZE),
+        }

@@ -1,0 +1,185 @@
+"""``qworker generate``: an OpenAI batch file through the engine, offline.
+
+Streams the input with bounded memory: at most ``window`` jobs are read ahead of the
+oldest unwritten one, and results are written in input order (one output line per
+non-blank input line). Invalid lines become error lines in the same output; the
+other jobs are unaffected. Progress goes to stderr as plain text.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from qworker.engine.outputs import RequestOutput
+from qworker.errors import BatchExpiredError, InvalidRequestError
+from qworker.schema import (
+    Job,
+    JobKind,
+    dumps,
+    error_record,
+    error_record_for,
+    parse_job,
+    success_record,
+)
+from qworker.worker.engine_thread import EngineLike
+
+_PROGRESS_EVERY_S = 2.0
+
+
+@dataclass(slots=True)
+class _Slot:
+    job: Job | None
+    record: dict[str, Any] | None = None
+
+
+@dataclass(slots=True)
+class GenerateStats:
+    """Counts of one ``generate`` run."""
+
+    lines: int = 0
+    ok: int = 0
+    errors: int = 0
+    generation_tokens: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def elapsed(self) -> float:
+        """Seconds since the run began."""
+        return time.monotonic() - self.started
+
+
+def count_lines(path: str) -> int:
+    """Non-blank lines of a file (for progress), read in binary chunks."""
+    with open(path, "rb") as f:
+        return sum(1 for line in f if line.strip())
+
+
+def generate_file(
+    engine: EngineLike,
+    input_path: str,
+    out: IO[bytes],
+    window: int = 256,
+    max_job_bytes: int = 1 << 20,
+    progress: IO[str] | None = sys.stderr,
+) -> GenerateStats:
+    """Run every job of ``input_path`` through ``engine``; write records to ``out``."""
+    total = count_lines(input_path)
+    stats = GenerateStats()
+    slots: deque[_Slot] = deque()
+    by_request: dict[str, _Slot] = {}
+    tokenizer = getattr(engine, "tokenizer", None)
+    decode: Callable[[int], str] | None = (
+        (lambda tid: tokenizer.decode([tid])) if tokenizer is not None else None
+    )
+    last_report = time.monotonic()
+
+    def flush() -> None:
+        while slots and slots[0].record is not None:
+            record = slots.popleft().record
+            assert record is not None
+            out.write(dumps(record) + b"\n")
+            if record["error"] is None:
+                stats.ok += 1
+            else:
+                stats.errors += 1
+
+    def finish(outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            slot = by_request.pop(output.request_id, None)
+            if slot is None or slot.job is None:
+                continue
+            job = slot.job
+            stats.generation_tokens += sum(len(c.token_ids) for c in output.outputs)
+            if any(c.finish_reason == "abort" for c in output.outputs):
+                exc = BatchExpiredError("deadline passed while generating")
+                slot.record = error_record_for(job.custom_id, job.batch_id, exc, job.metadata)
+            elif output.error is not None:
+                slot.record = error_record(
+                    job.custom_id, job.batch_id, "engine_error", output.error, job.metadata
+                )
+            else:
+                slot.record = success_record(job, output, engine.model_name, decode)
+
+    lines = _read_lines(input_path)
+    exhausted = False
+    while not exhausted or by_request:
+        while not exhausted and len(slots) < window:
+            item = next(lines, None)
+            if item is None:
+                exhausted = True
+                break
+            line_no, body = item
+            stats.lines += 1
+            slots.append(_admit(engine, line_no, body, max_job_bytes, by_request))
+        if by_request:
+            _expire(engine, by_request)
+            finish(engine.step())
+        flush()
+        if progress is not None and time.monotonic() - last_report >= _PROGRESS_EVERY_S:
+            last_report = time.monotonic()
+            _report(progress, stats, total)
+    flush()
+    if progress is not None:
+        _report(progress, stats, total)
+    return stats
+
+
+def _read_lines(path: str) -> Iterator[tuple[int, bytes]]:
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            body = raw.strip()
+            if body:
+                yield line_no, body
+
+
+def _admit(
+    engine: EngineLike, line_no: int, body: bytes, max_job_bytes: int, by_request: dict[str, _Slot]
+) -> _Slot:
+    parsed = parse_job(body, max_job_bytes)
+    if parsed.dead_letter is not None:
+        exc = InvalidRequestError(f"line {line_no}: {parsed.dead_letter}")
+        return _Slot(None, error_record_for(parsed.custom_id, parsed.batch_id, exc))
+    if parsed.job is None:
+        exc = parsed.error or InvalidRequestError("invalid job")
+        return _Slot(None, error_record_for(parsed.custom_id or "", parsed.batch_id, exc))
+    job = parsed.job
+    if job.deadline is not None and job.deadline <= time.time():
+        exc = BatchExpiredError(f"deadline {job.deadline:.0f} passed before the job started")
+        return _Slot(job, error_record_for(job.custom_id, job.batch_id, exc, job.metadata))
+    request_id = uuid.uuid4().hex
+    try:
+        if job.kind is JobKind.CHAT:
+            prompt: str | list[int] = engine.encode_chat(job.messages or [])
+        else:
+            prompt = job.prompt or ""
+        engine.add_request(request_id, prompt, job.params)
+    except Exception as exc:  # any rejection becomes the job's error line
+        return _Slot(job, error_record_for(job.custom_id, job.batch_id, exc, job.metadata))
+    slot = _Slot(job)
+    by_request[request_id] = slot
+    return slot
+
+
+def _expire(engine: EngineLike, by_request: dict[str, _Slot]) -> None:
+    now = time.time()
+    for request_id, slot in by_request.items():
+        job = slot.job
+        if job is not None and job.deadline is not None and job.deadline <= now:
+            job.deadline = None  # abort once
+            engine.abort(request_id)
+
+
+def _report(progress: IO[str], stats: GenerateStats, total: int) -> None:
+    secs = max(stats.elapsed, 1e-9)
+    done = stats.ok + stats.errors
+    progress.write(
+        f"generate: {done}/{total} done ({stats.ok} ok, {stats.errors} errors), "
+        f"{done / secs:.2f} jobs/s, {stats.generation_tokens / secs:.1f} tok/s\n"
+    )
+    progress.flush()

@@ -1,0 +1,78 @@
+"""What one worker run did, for the end-of-run summary and the benchmark."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class RunSummary:
+    """Counts and rates of one ``Worker.run``; ``kv_usage_*`` sampled while busy."""
+
+    started: float = field(default_factory=time.monotonic)
+    finished: float | None = None
+    received: int = 0
+    completed: Counter[str] = field(default_factory=Counter)
+    duplicates: int = 0
+    dead_lettered: int = 0
+    abandoned: int = 0
+    sink_failures: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    num_preemptions: int = 0
+    requests_served: int = 0
+    kv_usage_sum: float = 0.0
+    kv_usage_time: float = 0.0
+    kv_usage_peak: float = 0.0
+    drain_reason: str | None = None
+
+    def sample_kv(self, usage: float, dt: float) -> None:
+        """Add ``dt`` seconds at pool usage ``usage`` (0..1) to the time average."""
+        self.kv_usage_sum += usage * dt
+        self.kv_usage_time += dt
+        self.kv_usage_peak = max(self.kv_usage_peak, usage)
+
+    @property
+    def elapsed(self) -> float:
+        """Seconds from start to finish (or now)."""
+        return (self.finished or time.monotonic()) - self.started
+
+    @property
+    def kv_usage_mean(self) -> float:
+        """Time-averaged KV pool usage while requests were in the engine (0..1)."""
+        return self.kv_usage_sum / self.kv_usage_time if self.kv_usage_time else 0.0
+
+    def text(self) -> str:
+        """A few human lines for stderr."""
+        done = sum(self.completed.values())
+        secs = max(self.elapsed, 1e-9)
+        statuses = ", ".join(f"{k}={v}" for k, v in sorted(self.completed.items())) or "none"
+        return (
+            f"jobs: received {self.received}, completed {done} ({statuses}), "
+            f"duplicates {self.duplicates}, dead-lettered {self.dead_lettered}, "
+            f"abandoned {self.abandoned}\n"
+            f"tokens: prompt {self.prompt_tokens}, generated {self.generation_tokens} "
+            f"in {secs:.1f}s = {self.generation_tokens / secs:.1f} tok/s, "
+            f"{done / secs:.2f} jobs/s\n"
+            f"kv cache: mean usage {self.kv_usage_mean:.1%} (peak {self.kv_usage_peak:.1%}), "
+            f"preemptions {self.num_preemptions}"
+        )
+
+    def as_dict(self) -> dict:
+        """JSON-friendly figures."""
+        return {
+            "received": self.received,
+            "completed": dict(self.completed),
+            "duplicates": self.duplicates,
+            "dead_lettered": self.dead_lettered,
+            "abandoned": self.abandoned,
+            "elapsed_s": round(self.elapsed, 3),
+            "prompt_tokens": self.prompt_tokens,
+            "generation_tokens": self.generation_tokens,
+            "kv_usage_mean": round(self.kv_usage_mean, 4),
+            "kv_usage_peak": round(self.kv_usage_peak, 4),
+            "num_preemptions": self.num_preemptions,
+            "drain_reason": self.drain_reason,
+        }

@@ -1,0 +1,422 @@
+"""The worker loop: source -> admission -> engine thread -> record -> sink -> ack.
+
+Per message: parse (dead letter | error record | engine request); when the engine
+finishes it, build the record, ``sink.put`` it, then ``source.ack``. A job leaves
+the worker only through ack (its record is stored), ``dead_letter`` or ``abandon``
+(drain: redelivered later, never acked). Invalid jobs never stop the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from qworker.config import WorkerSettings
+from qworker.engine.outputs import RequestOutput
+from qworker.errors import BatchExpiredError, QworkerError
+from qworker.schema import (
+    Job,
+    JobKind,
+    dumps,
+    error_record_for,
+    parse_job,
+    result_key,
+    success_record,
+)
+from qworker.worker.admission import Admission
+from qworker.worker.drain import DrainControl, DrainReason
+from qworker.worker.engine_thread import EngineLike, EngineThread
+from qworker.worker.metrics import WorkerMetrics
+from qworker.worker.sinks.base import Sink
+from qworker.worker.sources.base import Message, Source
+from qworker.worker.spot import SpotPoller
+from qworker.worker.summary import RunSummary
+
+log = logging.getLogger(__name__)
+
+_RECEIVE_TIMEOUT_S = 0.25
+_STATS_INTERVAL_S = 0.25
+_PROGRESS_INTERVAL_S = 10.0
+_ABORT_WAIT_S = 5.0
+_MAX_STEP_FAILURES = 3
+
+
+class AbortReason(Enum):
+    """Why the worker aborted a request inside the engine."""
+
+    EXPIRED = "expired"
+    DRAIN = "drain"
+    REVOKED = "revoked"
+    ENGINE_ERROR = "engine_error"
+
+
+@dataclass(slots=True)
+class InFlightJob:
+    """A job inside the engine, keyed by its engine request id."""
+
+    msg: Message
+    job: Job
+    request_id: str
+    abort_reason: AbortReason | None = None
+    error: str | None = None
+
+
+def _ids(custom_id: str | None, msg: Message) -> dict[str, Any]:
+    return {"custom_id": custom_id, "message_id": msg.message_id}
+
+
+class Worker:
+    """One worker: drives ``engine`` with jobs from ``source``, results into ``sink``.
+
+    ``run()`` returns when the drain finished (signal, spot notice, ``until_idle``,
+    or an engine that keeps failing); ``exit_code`` is then 0, or 1 after a fatal
+    engine failure. Create and run it inside the event loop that will own it.
+    """
+
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        engine: EngineLike,
+        source: Source,
+        sink: Sink,
+        sink_prefix: str = "",
+        metrics: WorkerMetrics | None = None,
+        drain: DrainControl | None = None,
+    ) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.source = source
+        self.sink = sink
+        self.sink_prefix = sink_prefix
+        self.metrics = metrics or WorkerMetrics()
+        self.drain = drain or DrainControl()
+        self.admission = Admission(settings.max_inflight_jobs, settings.admission_buffer_blocks)
+        self.summary = RunSummary()
+        self.exit_code = 0
+        self._inflight: dict[str, InFlightJob] = {}
+        self._by_message: dict[str, str] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._progress = asyncio.Event()
+        self._step_failures = 0
+        self._last_activity = time.monotonic()
+        self._block_size = int(engine.stats().get("block_size", 16))
+        tokenizer = getattr(engine, "tokenizer", None)
+        self._decode = (lambda tid: tokenizer.decode([tid])) if tokenizer is not None else None
+        self._thread: EngineThread | None = None
+
+    @property
+    def busy(self) -> int:
+        """Jobs inside the worker: in the engine, or being written / acked."""
+        return len(self._inflight) + len(self._tasks)
+
+    async def run(self) -> RunSummary:
+        """Serve until drained; see the class docstring."""
+        loop = asyncio.get_running_loop()
+        self._thread = EngineThread(
+            self.engine, loop, self._on_outputs, self._on_step_error, self._block_size
+        )
+        self.source.on_revoke = self._on_revoke
+        if hasattr(self.sink, "on_retry"):
+            self.sink.on_retry = lambda *_: self.metrics.sink_retries.inc()
+        await self.source.start()
+        self._thread.start()
+        helpers = [
+            asyncio.create_task(self._stats_loop()),
+            asyncio.create_task(self._deadline_loop()),
+        ]
+        if self.settings.spot_metadata_url:
+            poller = SpotPoller(
+                self.settings.spot_metadata_url,
+                self.settings.spot_poll_seconds,
+                self._on_spot_notice,
+            )
+            helpers.append(asyncio.create_task(poller.run()))
+        self.metrics.ready = True
+        try:
+            await self._admit_loop()
+            await self._drain()
+        finally:
+            for task in helpers:
+                task.cancel()
+            await asyncio.gather(*helpers, return_exceptions=True)
+            self._thread.stop()
+            self._sample_stats(0.0)
+            await self.sink.close()
+            await self.source.close()
+            self.metrics.ready = False
+            self.summary.finished = time.monotonic()
+            self.summary.drain_reason = self.drain.reason.value if self.drain.reason else None
+        return self.summary
+
+    # ------------------------------------------------------------ admission
+
+    async def _admit_loop(self) -> None:
+        until_idle = self.settings.until_idle
+        while not self.drain.draining.is_set():
+            stats = self.engine.stats()
+            room = self.admission.room(stats, self._thread.pending_blocks, self.busy)
+            if room == 0:
+                await self._wait_progress(0.05)
+                continue
+            msgs = await self.source.receive(min(room, 64), _RECEIVE_TIMEOUT_S)
+            if msgs and self.drain.draining.is_set():
+                for msg in msgs:
+                    self._spawn(self.source.abandon(msg))
+                break
+            for msg in msgs:
+                self._handle(msg)
+            if msgs:
+                self._last_activity = time.monotonic()
+            elif (
+                until_idle is not None
+                and self.busy == 0
+                and time.monotonic() - self._last_activity >= until_idle
+            ):
+                log.info("idle for %.1fs with nothing in flight: stopping", until_idle)
+                self.drain.request(DrainReason.IDLE)
+
+    def _handle(self, msg: Message) -> None:
+        self.summary.received += 1
+        self.metrics.jobs_received.inc()
+        parsed = parse_job(msg.body, self.settings.max_job_bytes)
+        if parsed.dead_letter is not None:
+            log.warning("dead letter: %s", parsed.dead_letter, extra=_ids(None, msg))
+            self._spawn(self._dead_letter(msg, parsed.dead_letter))
+            return
+        custom_id = parsed.custom_id or ""
+        if parsed.error is not None or parsed.job is None:
+            exc = parsed.error or QworkerError("unparseable job")
+            self._finish_error(msg, custom_id, parsed.batch_id, exc, None)
+            return
+        job = parsed.job
+        if job.deadline is not None and job.deadline <= time.time():
+            exc = BatchExpiredError(f"deadline {job.deadline:.0f} passed before the job started")
+            self._finish_error(msg, custom_id, job.batch_id, exc, job.metadata)
+            return
+        request_id = uuid.uuid4().hex
+        try:
+            if job.kind is JobKind.CHAT:
+                prompt: str | list[int] = self.engine.encode_chat(job.messages or [])
+            else:
+                prompt = job.prompt or ""
+            self._thread.submit(request_id, prompt, job.params, msg.received_at)
+        except Exception as exc:  # any rejection becomes the job's record
+            self._finish_error(msg, custom_id, job.batch_id, exc, job.metadata)
+            return
+        n_tokens = len(prompt) if isinstance(prompt, list) else len(prompt) // 3 + 1
+        self.admission.observe_prompt(n_tokens, self._block_size)
+        self._inflight[request_id] = InFlightJob(msg, job, request_id)
+        self._by_message[msg.message_id] = request_id
+        self.metrics.inflight.set(self.busy)
+        log.debug("admitted as %s", request_id, extra=_ids(custom_id, msg))
+
+    # ------------------------------------------------------------ results
+
+    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        self._step_failures = 0
+        for out in outputs:
+            entry = self._inflight.pop(out.request_id, None)
+            if entry is None:
+                continue
+            self._by_message.pop(entry.msg.message_id, None)
+            self.metrics.observe_output(out)
+            self._complete(entry, out)
+        self._last_activity = time.monotonic()
+        self._progress.set()
+
+    def _complete(self, entry: InFlightJob, out: RequestOutput) -> None:
+        job, msg = entry.job, entry.msg
+        aborted = any(c.finish_reason == "abort" for c in out.outputs)
+        if out.error is not None:
+            exc: BaseException = QworkerError(out.error)
+        elif entry.abort_reason is AbortReason.ENGINE_ERROR:
+            exc = QworkerError(entry.error or "engine step failed")
+        elif entry.abort_reason is AbortReason.EXPIRED:
+            exc = BatchExpiredError(f"deadline {job.deadline:.0f} passed while generating")
+        elif entry.abort_reason is AbortReason.DRAIN:
+            log.info("abandoned at drain", extra=_ids(job.custom_id, msg))
+            self.summary.abandoned += 1
+            self._spawn(self.source.abandon(msg))
+            return
+        elif entry.abort_reason is AbortReason.REVOKED:
+            log.info("dropped: partition revoked", extra=_ids(job.custom_id, msg))
+            return
+        elif aborted:
+            exc = QworkerError("request aborted by the engine")
+        else:
+            record = success_record(job, out, self.engine.model_name, self._decode)
+            self._spawn(self._store(msg, job.custom_id, job.batch_id, record, "success"))
+            return
+        self._finish_error(msg, job.custom_id, job.batch_id, exc, job.metadata)
+
+    def _finish_error(
+        self,
+        msg: Message,
+        custom_id: str,
+        batch_id: str | None,
+        exc: BaseException,
+        metadata: dict | None,
+    ) -> None:
+        record = error_record_for(custom_id, batch_id, exc, metadata)
+        code = record["error"]["code"]
+        log.warning("%s: %s", code, record["error"]["message"], extra=_ids(custom_id, msg))
+        self._spawn(self._store(msg, custom_id, batch_id, record, code))
+
+    async def _store(
+        self, msg: Message, custom_id: str, batch_id: str | None, record: dict, status: str
+    ) -> None:
+        key = result_key(self.sink_prefix, batch_id, custom_id)
+        started = time.monotonic()
+        try:
+            written = await self.sink.put(key, dumps(record))
+        except Exception as exc:  # unstored: leave it for redelivery
+            log.error("sink put failed, job left unacked: %s", exc, extra=_ids(custom_id, msg))
+            self.summary.sink_failures += 1
+            await self.source.abandon(msg)
+            return
+        self.metrics.sink_put_seconds.observe(time.monotonic() - started)
+        if not written:
+            self.summary.duplicates += 1
+            self.metrics.jobs_duplicate.inc()
+            log.info("result already stored (duplicate) at %s", key, extra=_ids(custom_id, msg))
+        await self.source.ack(msg)
+        self.summary.completed[status] += 1
+        self.metrics.jobs_completed.labels(status=status).inc()
+        if written:
+            log.info("%s -> %s", status, key, extra=_ids(custom_id, msg))
+
+    async def _dead_letter(self, msg: Message, reason: str) -> None:
+        await self.source.dead_letter(msg, reason)
+        self.summary.dead_lettered += 1
+        self.metrics.jobs_dead_lettered.inc()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        self._last_activity = time.monotonic()
+        self._progress.set()
+        if not task.cancelled() and task.exception() is not None:
+            log.error("job task failed", exc_info=task.exception())
+
+    # ------------------------------------------------------------ events
+
+    def _on_step_error(self, exc: BaseException) -> None:
+        self._step_failures += 1
+        for entry in self._inflight.values():
+            if entry.abort_reason is None:
+                entry.abort_reason, entry.error = (
+                    AbortReason.ENGINE_ERROR,
+                    f"engine step failed: {exc}",
+                )
+                self._thread.abort(entry.request_id)
+        if self._step_failures >= _MAX_STEP_FAILURES:
+            log.error("engine failed %d steps in a row: stopping", self._step_failures)
+            self.exit_code = 1
+            self.drain.request_immediate(DrainReason.FATAL)
+
+    def _on_revoke(self, msgs: list[Message]) -> None:
+        for msg in msgs:
+            rid = self._by_message.get(msg.message_id)
+            entry = self._inflight.get(rid) if rid else None
+            if entry is not None and entry.abort_reason is None:
+                entry.abort_reason = AbortReason.REVOKED
+                self._thread.abort(rid)
+
+    def _on_spot_notice(self, body: str) -> None:
+        self.metrics.spot_interruptions.inc()
+        self.drain.request(DrainReason.SPOT)
+
+    async def _wait_progress(self, timeout: float) -> None:
+        self._progress.clear()
+        waits = [
+            asyncio.ensure_future(self._progress.wait()),
+            asyncio.ensure_future(self.drain.immediate.wait()),
+        ]
+        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
+
+    async def _deadline_loop(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            now = time.time()
+            for entry in list(self._inflight.values()):
+                deadline = entry.job.deadline
+                if deadline is not None and deadline <= now and entry.abort_reason is None:
+                    entry.abort_reason = AbortReason.EXPIRED
+                    self._thread.abort(entry.request_id)
+
+    async def _stats_loop(self) -> None:
+        last = time.monotonic()
+        last_progress = last
+        while True:
+            await asyncio.sleep(_STATS_INTERVAL_S)
+            now = time.monotonic()
+            self._sample_stats(now - last)
+            last = now
+            if now - last_progress >= _PROGRESS_INTERVAL_S:
+                last_progress = now
+                s = self.summary
+                log.info(
+                    "progress: %d received, %d done, %d in flight, %d generated tokens, kv %.0f%%",
+                    s.received,
+                    sum(s.completed.values()),
+                    self.busy,
+                    s.generation_tokens,
+                    100 * self.metrics.kv_usage._value.get(),
+                )
+
+    def _sample_stats(self, dt: float) -> None:
+        stats = self.engine.stats()
+        self.metrics.update_engine(stats)
+        self.metrics.inflight.set(self.busy)
+        uncommitted = getattr(self.source, "uncommitted_count", None)
+        self.metrics.uncommitted.set(uncommitted() if callable(uncommitted) else self.busy)
+        if stats.get("num_requests_running", 0) or stats.get("num_requests_waiting", 0):
+            self.summary.sample_kv(float(stats.get("kv_cache_usage_perc", 0.0)), dt)
+        self.summary.prompt_tokens = int(stats.get("prompt_tokens", 0))
+        self.summary.generation_tokens = int(stats.get("generation_tokens", 0))
+        self.summary.num_preemptions = int(stats.get("num_preemptions", 0))
+
+    # ------------------------------------------------------------ drain
+
+    async def _drain(self) -> None:
+        self.metrics.draining.set(1)
+        self.metrics.ready = False
+        reason = self.drain.reason
+        if self._inflight and not self.drain.immediate.is_set():
+            log.info(
+                "draining: %d jobs in flight, up to %.0fs",
+                len(self._inflight),
+                self.settings.drain_seconds,
+            )
+            until = time.monotonic() + self.settings.drain_seconds
+            while self._inflight and time.monotonic() < until and not self.drain.immediate.is_set():
+                await self._wait_progress(0.1)
+        for entry in self._inflight.values():
+            if entry.abort_reason is None:
+                entry.abort_reason = AbortReason.DRAIN
+                self._thread.abort(entry.request_id)
+        until = time.monotonic() + (1.0 if self.drain.immediate.is_set() else _ABORT_WAIT_S)
+        while self._inflight and time.monotonic() < until:
+            await self._wait_progress(0.05)
+        for entry in list(self._inflight.values()):
+            self.summary.abandoned += 1
+            await self.source.abandon(entry.msg)
+        self._inflight.clear()
+        if self._tasks:
+            budget = 2.0 if self.drain.immediate.is_set() else max(10.0, 0.0)
+            _, pending = await asyncio.wait(set(self._tasks), timeout=budget)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        log.info("drained (%s)", reason.value if reason else "done")
