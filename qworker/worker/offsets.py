@@ -79,6 +79,11 @@ class PartitionWatermark:
         return self._next
 
     @property
+    def first(self) -> int | None:
+        """The committed start given at construction, else the first offset tracked."""
+        return self._first
+
+    @property
     def in_flight(self) -> int:
         """Number of tracked offsets not yet finished."""
         return len(self._live)

@@ -1,0 +1,501 @@
+"""Kafka job source: an aiokafka consumer group with manual watermark commits.
+
+Delivery (DESIGN.md): at-least-once. Offsets are committed by hand, per partition, at
+the *watermark* (``qworker.worker.offsets``): the lowest offset whose result is not
+yet in the sink. Commits happen every ``commit_interval`` seconds, before partitions
+are revoked, and on ``close``; never past unfinished work.
+
+How the pieces fit:
+
+- A poll task calls ``getmany`` in a loop, so aiokafka's ``max_poll_interval_ms``
+  never expires however long a job runs; fetched records wait in a local buffer
+  until ``receive`` hands them out. When the buffer holds ``buffer_size`` records
+  the task pauses every assigned partition and resumes them once it drained
+  (backpressure without leaving the group).
+- Rebalances (aiokafka uses the eager protocol: every rebalance revokes every
+  partition, then assigns the new set): on revoke, finished work is committed and
+  the revoked partitions stop handing out messages, but their state is parked;
+  on assign, partitions that came back resume as if nothing happened (their
+  in-flight jobs keep running, re-fetched offsets are recognised and skipped);
+  partitions that moved elsewhere are dropped and their in-flight messages go to
+  ``on_revoke`` so the worker aborts them. Later acks for them are ignored; the
+  new owner re-runs them and the sink's first-write-wins makes that harmless.
+- ``dead_letter`` produces the raw message to ``<topic>.dlq`` (or the configured
+  topic) with ``qworker-dlq-reason`` / ``qworker-source`` headers, then acks it.
+  The producer uses neither idempotence nor transactions (the tansu test broker
+  lacks them); the DLQ topic must exist or the broker must auto-create it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import urllib.parse
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.errors import ConsumerStoppedError, KafkaError
+from aiokafka.structs import OffsetAndMetadata
+
+from qworker.worker.offsets import PartitionWatermark
+from qworker.worker.sources.base import Message, Source
+
+log = logging.getLogger(__name__)
+
+DLQ_REASON_HEADER = "qworker-dlq-reason"
+DLQ_SOURCE_HEADER = "qworker-source"
+DEFAULT_GROUP = "qworker"
+
+
+@dataclass(slots=True)
+class KafkaURI:
+    """A parsed ``kafka://host:port[,host:port]/topic?group=NAME``."""
+
+    bootstrap: str
+    topic: str
+    group: str
+
+    @classmethod
+    def parse(cls, uri: str) -> KafkaURI:
+        """Parse ``uri``; ``ValueError`` naming the missing part if it is malformed."""
+        parts = urllib.parse.urlsplit(uri)
+        if parts.scheme != "kafka":
+            raise ValueError(f"source {uri!r} must start with kafka://")
+        topic = parts.path.strip("/")
+        if not parts.netloc or not topic:
+            raise ValueError(f"source {uri!r} must be kafka://host:port[,host:port]/topic")
+        group = urllib.parse.parse_qs(parts.query).get("group", [DEFAULT_GROUP])[0]
+        return cls(bootstrap=parts.netloc, topic=topic, group=group)
+
+
+@dataclass(slots=True)
+class KafkaHandle:
+    """``Message.handle`` of a Kafka message: where it came from, under which assignment."""
+
+    tp: TopicPartition
+    offset: int
+    epoch: int
+
+
+@dataclass(slots=True)
+class _Partition:
+    """What the source knows about one assigned partition."""
+
+    epoch: int
+    watermark: PartitionWatermark
+    inflight: dict[int, Message] = field(default_factory=dict)
+    parked: list[Message] = field(default_factory=list)
+
+
+class KafkaSource(Source):
+    """Consumes one topic as member of a consumer group; see the module docstring.
+
+    All methods run on the event loop that called ``start``. ``buffer_size`` bounds
+    the records fetched but not yet received; ``session_timeout_ms`` is the group
+    session (heartbeats every third of it).
+    """
+
+    def __init__(
+        self,
+        bootstrap: str,
+        topic: str,
+        group: str = DEFAULT_GROUP,
+        *,
+        session_timeout_ms: int = 10000,
+        commit_interval: float = 5.0,
+        dlq_topic: str | None = None,
+        buffer_size: int = 256,
+        poll_timeout_ms: int = 200,
+        request_timeout: float = 30.0,
+        max_poll_interval_ms: int = 300000,
+    ) -> None:
+        self.bootstrap = bootstrap
+        self.topic = topic
+        self.group = group
+        self.session_timeout_ms = session_timeout_ms
+        self.commit_interval = commit_interval
+        self.dlq_topic = dlq_topic or f"{topic}.dlq"
+        self.buffer_size = max(1, buffer_size)
+        self.poll_timeout_ms = poll_timeout_ms
+        self.request_timeout = request_timeout
+        self.max_poll_interval_ms = max_poll_interval_ms
+        self.on_revoke = None
+        #: Times the poll task paused partitions for backpressure (for tests/metrics).
+        self.pauses = 0
+        self._consumer: AIOKafkaConsumer | None = None
+        self._producer: AIOKafkaProducer | None = None
+        self._producer_lock = asyncio.Lock()
+        self._commit_lock = asyncio.Lock()
+        self._parts: dict[TopicPartition, _Partition] = {}
+        self._parked: dict[TopicPartition, _Partition] = {}
+        self._buffer: deque[Message] = deque()
+        self._ready = asyncio.Event()
+        self._epoch = 0
+        self._paused = False
+        self._closed = False
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Join the group and start the poll and commit tasks."""
+        self._consumer = AIOKafkaConsumer(
+            bootstrap_servers=self.bootstrap,
+            group_id=self.group,
+            client_id=f"qworker-{self.group}",
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            session_timeout_ms=self.session_timeout_ms,
+            heartbeat_interval_ms=max(100, self.session_timeout_ms // 4),
+            request_timeout_ms=int(self.request_timeout * 1000),
+            max_poll_records=self.buffer_size,
+            max_poll_interval_ms=self.max_poll_interval_ms,
+        )
+        self._consumer.subscribe([self.topic], listener=_Listener(self))
+        await self._consumer.start()
+        self._tasks = [
+            asyncio.create_task(self._poll_loop(), name="kafka-poll"),
+            asyncio.create_task(self._commit_loop(), name="kafka-commit"),
+        ]
+        log.info("kafka source started topic=%s group=%s", self.topic, self.group)
+
+    async def close(self) -> None:
+        """Commit finished work, leave the group, stop the DLQ producer; idempotent.
+
+        Messages still in flight stay uncommitted: the group redelivers them.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self._consumer is not None:
+            await self.commit()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._consumer.stop(), self.request_timeout)
+        if self._producer is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._producer.stop(), self.request_timeout)
+        self._ready.set()
+        log.info("kafka source closed topic=%s group=%s", self.topic, self.group)
+
+    # -- the Source interface --------------------------------------------------------
+
+    async def receive(self, max_messages: int, timeout: float) -> list[Message]:
+        """Up to ``max_messages`` fetched messages; ``[]`` after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while not self._buffer and not self._closed:
+            self._ready.clear()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return []
+            try:
+                await asyncio.wait_for(self._ready.wait(), remaining)
+            except TimeoutError:
+                return []
+        out: list[Message] = []
+        while self._buffer and len(out) < max_messages:
+            msg = self._buffer.popleft()
+            handle: KafkaHandle = msg.handle
+            part = self._parts.get(handle.tp)
+            if part is None or part.epoch != handle.epoch:
+                continue
+            part.inflight[handle.offset] = msg
+            out.append(msg)
+        return out
+
+    async def ack(self, msg: Message) -> None:
+        """Mark ``msg`` finished; the watermark (and the next commit) may advance past it."""
+        part = self._owner(msg)
+        if part is None:
+            log.debug("ack ignored for revoked message_id=%s", msg.message_id)
+            return
+        handle: KafkaHandle = msg.handle
+        part.inflight.pop(handle.offset, None)
+        part.watermark.finish(handle.offset)
+
+    async def abandon(self, msg: Message) -> None:
+        """Put ``msg`` back, unfinished: handed out again later, never committed until acked."""
+        part = self._owner(msg)
+        if part is None:
+            return
+        handle: KafkaHandle = msg.handle
+        if part.inflight.pop(handle.offset, None) is not None and not self._closed:
+            self._buffer.appendleft(msg)
+            self._ready.set()
+
+    async def dead_letter(self, msg: Message, reason: str) -> None:
+        """Produce ``msg`` to the DLQ topic with reason headers, then ack it.
+
+        Raises (and does not ack) when the DLQ produce fails.
+        """
+        producer = await self._dlq_producer()
+        headers = [
+            (DLQ_REASON_HEADER, reason.encode("utf-8", "replace")),
+            (DLQ_SOURCE_HEADER, msg.message_id.encode()),
+        ]
+        key = msg.key.encode() if msg.key is not None else None
+        await asyncio.wait_for(
+            producer.send_and_wait(self.dlq_topic, msg.body, key=key, headers=headers),
+            self.request_timeout,
+        )
+        log.warning(
+            "dead-lettered message_id=%s to %s: %s", msg.message_id, self.dlq_topic, reason
+        )
+        await self.ack(msg)
+
+    # -- introspection ---------------------------------------------------------------
+
+    @property
+    def uncommitted_offsets(self) -> int:
+        """Offsets fetched past the last commit, over all owned partitions."""
+        return sum(p.watermark.uncommitted for p in self._parts.values())
+
+    @property
+    def paused(self) -> bool:
+        """True while fetching is paused because the local buffer is full."""
+        return self._paused
+
+    def watermarks(self) -> dict[int, int | None]:
+        """Partition number -> current watermark of the owned partitions."""
+        return {tp.partition: p.watermark.watermark for tp, p in self._parts.items()}
+
+    # -- commits ---------------------------------------------------------------------
+
+    async def commit(self, only: Iterable[TopicPartition] | None = None) -> None:
+        """Commit the watermark of owned partitions (or ``only`` these) that advanced.
+
+        Failures (a rebalance in progress, a lost membership) are logged, not raised:
+        the next commit or the next owner takes over from the last good commit.
+        """
+        if self._consumer is None:
+            return
+        async with self._commit_lock:
+            wanted = set(only) if only is not None else set(self._parts)
+            offsets: dict[TopicPartition, OffsetAndMetadata] = {}
+            for tp in wanted:
+                part = self._parts.get(tp)
+                if part is not None and part.watermark.needs_commit():
+                    mark = part.watermark.watermark
+                    assert mark is not None
+                    offsets[tp] = OffsetAndMetadata(mark, "")
+            if not offsets:
+                return
+            try:
+                await asyncio.wait_for(self._consumer.commit(offsets), self.request_timeout)
+            except (KafkaError, TimeoutError) as exc:
+                log.warning("kafka commit failed (will retry): %r", exc)
+                return
+            for tp, om in offsets.items():
+                part = self._parts.get(tp)
+                if part is not None:
+                    part.watermark.mark_committed(om.offset)
+            log.debug("kafka committed %s", {tp.partition: om.offset for tp, om in offsets.items()})
+
+    async def _commit_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.commit_interval)
+            await self.commit()
+
+    # -- polling ---------------------------------------------------------------------
+
+    async def _poll_loop(self) -> None:
+        consumer = self._consumer
+        assert consumer is not None
+        while not self._closed:
+            self._apply_backpressure()
+            room = max(1, self.buffer_size - len(self._buffer))
+            try:
+                batches = await consumer.getmany(
+                    timeout_ms=self.poll_timeout_ms, max_records=room
+                )
+            except ConsumerStoppedError:
+                return
+            except KafkaError as exc:
+                log.warning("kafka poll failed: %r", exc)
+                await asyncio.sleep(0.5)
+                continue
+            for tp, records in batches.items():
+                self._take(tp, records)
+            if self._buffer:
+                self._ready.set()
+
+    def _take(self, tp: TopicPartition, records: list[Any]) -> None:
+        part = self._parts.get(tp)
+        if part is None:
+            return  # revoked while the fetch was in flight
+        now = time.time()
+        for rec in records:
+            try:
+                fresh = part.watermark.track(rec.offset)
+            except ValueError:
+                log.warning("skipping out-of-order offset %s/%d/%d", tp.topic, tp.partition,
+                            rec.offset)
+                continue
+            if not fresh:
+                continue  # a re-fetch of work we already hold (after a rebalance)
+            key = rec.key.decode("utf-8", "replace") if rec.key is not None else None
+            self._buffer.append(
+                Message(
+                    body=rec.value if rec.value is not None else b"",
+                    message_id=f"{tp.topic}/{tp.partition}/{rec.offset}",
+                    key=key,
+                    handle=KafkaHandle(tp, rec.offset, part.epoch),
+                    received_at=now,
+                )
+            )
+
+    def _apply_backpressure(self) -> None:
+        consumer = self._consumer
+        assert consumer is not None
+        owned = [tp for tp in self._parts if tp in consumer.assignment()]
+        if len(self._buffer) >= self.buffer_size:
+            if not self._paused:
+                self._paused = True
+                self.pauses += 1
+                log.debug("kafka buffer full (%d): pausing fetch", len(self._buffer))
+            consumer.pause(*owned)
+        elif self._paused:
+            self._paused = False
+            consumer.resume(*owned)
+
+    # -- rebalances ------------------------------------------------------------------
+
+    def _owner(self, msg: Message) -> _Partition | None:
+        handle: KafkaHandle = msg.handle
+        part = self._parts.get(handle.tp) or self._parked.get(handle.tp)
+        if part is None or part.epoch != handle.epoch:
+            return None
+        return part
+
+    async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
+        if self._closed:
+            return
+        await self.commit(only=revoked)
+        for tp in revoked:
+            part = self._parts.pop(tp, None)
+            if part is not None:
+                self._parked[tp] = part
+        kept: deque[Message] = deque()
+        for msg in self._buffer:
+            parked = self._parked.get(msg.handle.tp)
+            if parked is not None:
+                parked.parked.append(msg)
+            else:
+                kept.append(msg)
+        self._buffer = kept
+        log.info("kafka partitions revoked: %s", sorted(tp.partition for tp in revoked))
+
+    async def _on_assigned(self, assigned: set[TopicPartition]) -> None:
+        consumer = self._consumer
+        assert consumer is not None
+        lost: list[Message] = []
+        for tp, part in self._parked.items():
+            if tp in assigned and await self._still_ours(tp, part):
+                self._parts[tp] = part
+                self._buffer.extend(part.parked)
+                part.parked = []
+            else:
+                lost.extend(part.inflight.values())
+        self._parked = {}
+        for tp in assigned:
+            if tp not in self._parts:
+                self._epoch += 1
+                self._parts[tp] = _Partition(self._epoch, PartitionWatermark())
+        if self._paused:
+            self._paused = False
+            consumer.resume(*assigned)
+        if self._buffer:
+            self._ready.set()
+        log.info("kafka partitions assigned: %s", sorted(tp.partition for tp in assigned))
+        if lost:
+            log.warning("kafka rebalance took %d in-flight jobs elsewhere; aborting them", len(lost))
+            if self.on_revoke is not None:
+                self.on_revoke(lost)
+
+    async def _still_ours(self, tp: TopicPartition, part: _Partition) -> bool:
+        # If someone else committed past our last commit while we were out of the group
+        # (a lapsed session), our parked state is stale: start fresh from their commit.
+        assert self._consumer is not None
+        try:
+            committed = await asyncio.wait_for(self._consumer.committed(tp), self.request_timeout)
+        except (KafkaError, TimeoutError):
+            return False
+        mine = part.watermark.committed
+        if mine is None:
+            mine = part.watermark.first  # never committed: we started from their offset
+        return committed is None or (mine is not None and committed <= mine)
+
+    async def _dlq_producer(self) -> AIOKafkaProducer:
+        async with self._producer_lock:
+            if self._producer is None:
+                producer = AIOKafkaProducer(
+                    bootstrap_servers=self.bootstrap,
+                    enable_idempotence=False,
+                    acks="all",
+                    request_timeout_ms=int(self.request_timeout * 1000),
+                )
+                await producer.start()
+                self._producer = producer
+            return self._producer
+
+
+class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, source: KafkaSource) -> None:
+        self.source = source
+
+    async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        await self.source._on_revoked(set(revoked))
+
+    async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        await self.source._on_assigned(set(assigned))
+
+
+def open_source(uri: str, settings: Any) -> KafkaSource:
+    """Build (not start) the Kafka source for ``uri`` from ``WorkerSettings``."""
+    parsed = KafkaURI.parse(uri)
+    return KafkaSource(
+        parsed.bootstrap,
+        parsed.topic,
+        parsed.group,
+        session_timeout_ms=getattr(settings, "kafka_session_timeout_ms", 10000),
+        commit_interval=getattr(settings, "kafka_commit_interval_seconds", 5.0),
+        dlq_topic=getattr(settings, "kafka_dlq_topic", None),
+        buffer_size=min(256, getattr(settings, "max_inflight_jobs", 256)),
+    )
+
+
+async def produce(uri: str, items: Iterable[tuple[str | None, bytes]], settings: Any) -> int:
+    """Send every ``(key, body)`` to the topic of ``uri`` (key = custom_id); return the count.
+
+    Waits for every send to be acknowledged by the broker (``acks="all"``).
+    """
+    parsed = KafkaURI.parse(uri)
+    producer = AIOKafkaProducer(
+        bootstrap_servers=parsed.bootstrap, enable_idempotence=False, acks="all",
+        linger_ms=5,
+    )
+    await producer.start()
+    count = 0
+    try:
+        pending: list[asyncio.Future[Any]] = []
+        for key, body in items:
+            pending.append(
+                await producer.send(parsed.topic, body, key=key.encode() if key else None)
+            )
+            count += 1
+            if len(pending) >= 1000:
+                await asyncio.gather(*pending)
+                pending = []
+        await asyncio.gather(*pending)
+    finally:
+        await producer.stop()
+    return count
