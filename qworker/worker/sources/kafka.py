@@ -417,7 +417,7 @@ class KafkaSource(Source):
             self._ready.set()
         log.info("kafka partitions assigned: %s", sorted(tp.partition for tp in assigned))
         if lost:
-            log.warning("kafka rebalance took %d in-flight jobs elsewhere; aborting them", len(lost))
+            log.warning("kafka rebalance moved %d in-flight jobs elsewhere; aborting", len(lost))
             if self.on_revoke is not None:
                 self.on_revoke(lost)
 
