@@ -29,6 +29,8 @@ CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 DEFAULT_BATCH = "default"
 MAX_SAFE_BYTES = 200
+MAX_N = 128
+MAX_METADATA_DEPTH = 32
 _HASH_MARK = "sha256-"
 _SAFE = re.compile(rb"[A-Za-z0-9._-]")
 _ROLES = {"system", "developer", "user", "assistant"}
@@ -150,6 +152,8 @@ def _validate(data: dict[str, Any], custom_id: str) -> Job:
     metadata = data.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
         raise InvalidRequestError(f"metadata must be an object, got {_describe(metadata)}")
+    if metadata is not None and _depth(metadata) > MAX_METADATA_DEPTH:
+        raise InvalidRequestError(f"metadata is nested deeper than {MAX_METADATA_DEPTH} levels")
     method = data.get("method", "POST")
     if method != "POST":
         raise InvalidRequestError(f'method must be "POST", got {_describe(method)}')
@@ -192,7 +196,7 @@ def _messages(value: Any) -> list[dict[str, str]]:
         if not isinstance(msg, dict):
             raise InvalidRequestError(f"{where} must be an object, got {_describe(msg)}")
         role = msg.get("role")
-        if role not in _ROLES:
+        if not isinstance(role, str) or role not in _ROLES:
             raise InvalidRequestError(
                 f"{where}.role must be one of {sorted(_ROLES)}, got {_describe(role)}"
             )
@@ -273,6 +277,11 @@ def _sampling(body: dict[str, Any], kind: JobKind) -> tuple[SamplingParams, bool
             raise InvalidRequestError(
                 f"body.{name} must be a number, got {_describe(fields[name])}"
             )
+    n, seed = fields.get("n"), fields.get("seed")
+    if isinstance(n, int) and not isinstance(n, bool) and n > MAX_N:
+        raise InvalidRequestError(f"body.n must be at most {MAX_N}, got {n}")
+    if isinstance(seed, int) and not isinstance(seed, bool) and not -(2**63) <= seed < 2**63:
+        raise InvalidRequestError(f"body.seed must fit in a signed 64-bit integer, got {seed}")
     try:
         params = SamplingParams(**fields)
     except InvalidRequestError as exc:
@@ -484,6 +493,19 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _depth(value: Any) -> int:
+    """Nesting depth of a JSON value (iterative: the value may be very deep)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, level)
+            stack.extend(
+                (child, level + 1) for child in (item.values() if isinstance(item, dict) else item)
+            )
+    return deepest
+
+
 def _json_type(value: Any) -> str:
     if value is None:
         return "null"
@@ -500,16 +522,15 @@ def _json_type(value: Any) -> str:
 
 def _describe(value: Any) -> str:
     if value is None:
-        return "null" if value is None else ""
+        return "null"
     if isinstance(value, str):
         return _short(value)
     return f"{_json_type(value)} {_short(value)}"
 
 
 def _short(value: Any) -> str:
-    text = (
-        orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
-        if not isinstance(value, str)
-        else orjson.dumps(value).decode()
-    )
+    try:
+        text = orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
+    except (TypeError, orjson.JSONEncodeError):
+        text = f"<{_json_type(value)} too deeply nested>"
     return text if len(text) <= 60 else text[:57] + "..."
