@@ -1,0 +1,324 @@
+"""SQS job source: long polling, visibility heartbeats, delete only after the result is written.
+
+Delivery (DESIGN.md): at-least-once. A received message stays invisible for
+``visibility_timeout`` seconds; a heartbeat task extends the visibility of every
+message still in flight every third of that, so a long job is never handed to a
+second worker. ``ack`` deletes the message (its result is in the sink);
+``abandon`` sets its visibility to 0 so another worker (or this one) takes it at
+once; ``close`` abandons whatever is still in flight.
+
+``dead_letter`` sends the raw body to the dead-letter queue (``sqs_dlq_url``, else
+the target of the queue's RedrivePolicy) with a ``qworker_dlq_reason`` message
+attribute, then deletes the original. Without any DLQ it logs the body at ERROR
+and deletes it, so garbage cannot loop forever.
+
+Every boto3 call runs on a private thread pool (``qworker.worker.aws``) with a
+timeout. A receive whose await timed out may still have received messages in the
+background; those are not lost, they become visible again after the timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import math
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from qworker.worker.aws import BlockingRunner, make_client, sqs_options
+from qworker.worker.sources.base import Message, Source
+
+log = logging.getLogger(__name__)
+
+DLQ_REASON_ATTRIBUTE = "qworker_dlq_reason"
+DLQ_SOURCE_ATTRIBUTE = "qworker_source"
+KEY_ATTRIBUTE = "custom_id"
+MAX_WAIT_SECONDS = 20  # SQS's longest long poll
+MAX_BATCH = 10  # SQS's most messages per receive / batch call
+
+
+@dataclass(slots=True)
+class SqsHandle:
+    """``Message.handle`` of an SQS message: the receipt handle of this delivery."""
+
+    receipt_handle: str
+    receive_count: int
+
+
+def parse_sqs_uri(uri: str) -> str:
+    """``sqs://QUEUE_URL_OR_NAME`` -> the queue URL (``http(s)://...``) or the queue name."""
+    scheme, sep, rest = uri.partition("://")
+    if scheme != "sqs" or not sep or not rest.strip("/"):
+        raise ValueError(f"source {uri!r} must be sqs://QUEUE_URL_OR_NAME")
+    if rest.startswith(("http://", "https://")):
+        return rest
+    if rest.startswith(("http/", "https/")):  # tolerate sqs://https/host/... from shells
+        proto, _, tail = rest.partition("/")
+        return f"{proto}://{tail}"
+    return rest.strip("/")
+
+
+class SqsSource(Source):
+    """Consumes one SQS queue; see the module docstring.
+
+    ``queue`` is a queue URL or name (resolved at ``start``). ``client`` is a boto3 SQS
+    client whose read timeout exceeds ``MAX_WAIT_SECONDS``.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        queue: str,
+        *,
+        visibility_timeout: int = 300,
+        dlq_url: str | None = None,
+        heartbeat_interval: float | None = None,
+        call_timeout: float = 45.0,
+    ) -> None:
+        self.client = client
+        self.queue = queue
+        self.queue_url = queue if queue.startswith(("http://", "https://")) else ""
+        self.visibility_timeout = max(1, visibility_timeout)
+        self.dlq_url = dlq_url
+        self.heartbeat_interval = heartbeat_interval or max(1.0, self.visibility_timeout / 3)
+        self.call_timeout = call_timeout
+        self.on_revoke = None
+        #: Visibility extensions sent so far (for tests and metrics).
+        self.heartbeats = 0
+        self._fifo = queue.endswith(".fifo")
+        self._inflight: dict[str, Message] = {}
+        self._runner = BlockingRunner(4, "qworker-sqs")
+        self._heartbeat_task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    async def _call(self, method: str, **kwargs: Any) -> Any:
+        return await self._runner.run(self.call_timeout, getattr(self.client, method), **kwargs)
+
+    async def start(self) -> None:
+        """Resolve the queue URL and the redrive DLQ; start the heartbeat task."""
+        if not self.queue_url:
+            self.queue_url = (await self._call("get_queue_url", QueueName=self.queue))["QueueUrl"]
+        if self.dlq_url is None:
+            self.dlq_url = await self._redrive_target()
+        self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="sqs-heartbeat")
+        log.info("sqs source started queue=%s dlq=%s", self.queue_url, self.dlq_url)
+
+    async def _redrive_target(self) -> str | None:
+        import json
+
+        attrs = await self._call(
+            "get_queue_attributes", QueueUrl=self.queue_url, AttributeNames=["RedrivePolicy"]
+        )
+        policy = attrs.get("Attributes", {}).get("RedrivePolicy")
+        if not policy:
+            return None
+        arn = json.loads(policy).get("deadLetterTargetArn", "")
+        parts = arn.split(":")
+        if len(parts) < 6:
+            return None
+        found = await self._call(
+            "get_queue_url", QueueName=parts[5], QueueOwnerAWSAccountId=parts[4]
+        )
+        return str(found["QueueUrl"])
+
+    async def receive(self, max_messages: int, timeout: float) -> list[Message]:
+        """Long-poll for up to ``min(max_messages, 10)`` messages for about ``timeout`` s."""
+        if self._closed or max_messages < 1:
+            return []
+        start = time.monotonic()
+        wait = min(MAX_WAIT_SECONDS, max(0, math.floor(timeout)))
+        try:
+            resp = await self._call(
+                "receive_message",
+                QueueUrl=self.queue_url,
+                MaxNumberOfMessages=min(MAX_BATCH, max_messages),
+                WaitTimeSeconds=wait,
+                VisibilityTimeout=self.visibility_timeout,
+                MessageSystemAttributeNames=["ApproximateReceiveCount"],
+                MessageAttributeNames=["All"],
+            )
+        except Exception as exc:
+            log.warning("sqs receive failed: %r", exc)
+            resp = {}
+        now = time.time()
+        out: list[Message] = []
+        for raw in resp.get("Messages", []):
+            attrs = raw.get("MessageAttributes") or {}
+            key = attrs.get(KEY_ATTRIBUTE, {}).get("StringValue")
+            count = int((raw.get("Attributes") or {}).get("ApproximateReceiveCount", "1"))
+            msg = Message(
+                body=raw.get("Body", "").encode("utf-8"),
+                message_id=raw["MessageId"],
+                key=key,
+                handle=SqsHandle(raw["ReceiptHandle"], count),
+                received_at=now,
+            )
+            self._inflight[msg.message_id] = msg
+            out.append(msg)
+        if not out:
+            # A sub-second timeout cannot be a long poll; don't let callers spin on it.
+            left = timeout - (time.monotonic() - start)
+            if left > 0:
+                await asyncio.sleep(left)
+        return out
+
+    async def ack(self, msg: Message) -> None:
+        """Delete ``msg`` (its result is in the sink). A stale receipt is logged, not raised."""
+        self._inflight.pop(msg.message_id, None)
+        handle: SqsHandle = msg.handle
+        try:
+            await self._call(
+                "delete_message", QueueUrl=self.queue_url, ReceiptHandle=handle.receipt_handle
+            )
+        except Exception as exc:
+            # Expired receipt: another worker owns it now and will hit the sink's 412.
+            log.warning("sqs delete failed message_id=%s: %r", msg.message_id, exc)
+
+    async def abandon(self, msg: Message) -> None:
+        """Make ``msg`` visible again at once (visibility 0): redelivered, never deleted."""
+        self._inflight.pop(msg.message_id, None)
+        handle: SqsHandle = msg.handle
+        try:
+            await self._call(
+                "change_message_visibility",
+                QueueUrl=self.queue_url,
+                ReceiptHandle=handle.receipt_handle,
+                VisibilityTimeout=0,
+            )
+        except Exception as exc:
+            log.warning("sqs abandon failed message_id=%s: %r", msg.message_id, exc)
+
+    async def dead_letter(self, msg: Message, reason: str) -> None:
+        """Send ``msg`` to the DLQ with ``reason`` as an attribute, then delete it.
+
+        Raises (and keeps the message) when the DLQ send fails.
+        """
+        if self.dlq_url is None:
+            log.error(
+                "no SQS dead-letter queue; dropping message_id=%s (%s): %r",
+                msg.message_id, reason, msg.body[:500],
+            )
+        else:
+            extra: dict[str, Any] = {}
+            if self.dlq_url.endswith(".fifo"):
+                extra = {"MessageGroupId": "dlq", "MessageDeduplicationId": msg.message_id}
+            await self._call(
+                "send_message",
+                QueueUrl=self.dlq_url,
+                MessageBody=msg.body.decode("utf-8", "replace"),
+                MessageAttributes={
+                    DLQ_REASON_ATTRIBUTE: {"DataType": "String", "StringValue": reason or "-"},
+                    DLQ_SOURCE_ATTRIBUTE: {"DataType": "String", "StringValue": msg.message_id},
+                },
+                **extra,
+            )
+            log.warning("dead-lettered message_id=%s to %s: %s", msg.message_id, self.dlq_url,
+                        reason)
+        await self.ack(msg)
+
+    async def close(self) -> None:
+        """Stop heartbeats and make every message still in flight visible again; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._heartbeat_task
+        for msg in list(self._inflight.values()):
+            await self.abandon(msg)
+        self._runner.shutdown()
+        log.info("sqs source closed queue=%s", self.queue_url)
+
+    @property
+    def inflight(self) -> int:
+        """Messages received and neither acked, abandoned nor dead-lettered."""
+        return len(self._inflight)
+
+    async def extend_visibility(self) -> None:
+        """Reset the visibility timeout of every in-flight message (batches of 10)."""
+        msgs = list(self._inflight.values())
+        for i in range(0, len(msgs), MAX_BATCH):
+            chunk = msgs[i : i + MAX_BATCH]
+            entries = [
+                {
+                    "Id": str(n),
+                    "ReceiptHandle": m.handle.receipt_handle,
+                    "VisibilityTimeout": self.visibility_timeout,
+                }
+                for n, m in enumerate(chunk)
+            ]
+            try:
+                resp = await self._call(
+                    "change_message_visibility_batch", QueueUrl=self.queue_url, Entries=entries
+                )
+            except Exception as exc:
+                log.warning("sqs visibility heartbeat failed: %r", exc)
+                continue
+            self.heartbeats += len(entries) - len(resp.get("Failed", []))
+            for failed in resp.get("Failed", []):
+                log.warning("sqs heartbeat refused message_id=%s: %s",
+                            chunk[int(failed["Id"])].message_id, failed.get("Message"))
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_interval)
+            await self.extend_visibility()
+
+
+def open_source(uri: str, settings: Any) -> SqsSource:
+    """Build (not start) the SQS source for ``sqs://QUEUE_URL_OR_NAME`` from ``WorkerSettings``."""
+    client = make_client("sqs", sqs_options(settings))
+    return SqsSource(
+        client,
+        parse_sqs_uri(uri),
+        visibility_timeout=getattr(settings, "sqs_visibility_timeout", 300),
+        dlq_url=getattr(settings, "sqs_dlq_url", None),
+    )
+
+
+async def produce(uri: str, items: Iterable[tuple[str | None, bytes]], settings: Any) -> int:
+    """Send every ``(key, body)`` to the queue (``send_message_batch``, 10 a call).
+
+    The key (custom_id) travels as the ``custom_id`` message attribute; on a FIFO
+    queue it is also the MessageGroupId. Raises if SQS refuses any entry.
+    """
+    client = make_client("sqs", sqs_options(settings))
+    queue = parse_sqs_uri(uri)
+    if queue.startswith(("http://", "https://")):
+        url = queue
+    else:
+        url = (await asyncio.to_thread(client.get_queue_url, QueueName=queue))["QueueUrl"]
+    fifo = url.endswith(".fifo")
+    count = 0
+    batch: list[dict[str, Any]] = []
+
+    async def flush() -> None:
+        nonlocal batch
+        if not batch:
+            return
+        resp = await asyncio.to_thread(client.send_message_batch, QueueUrl=url, Entries=batch)
+        if resp.get("Failed"):
+            raise RuntimeError(f"SQS refused {len(resp['Failed'])} messages: {resp['Failed'][:3]}")
+        batch = []
+
+    for key, body in items:
+        entry: dict[str, Any] = {"Id": str(len(batch)), "MessageBody": body.decode("utf-8")}
+        if key:
+            entry["MessageAttributes"] = {KEY_ATTRIBUTE: {"DataType": "String", "StringValue": key}}
+        if fifo:
+            entry["MessageGroupId"] = key or "default"
+            # Content-based: a producer re-sending the same job within 5 min is deduplicated.
+            entry["MessageDeduplicationId"] = hashlib.sha256(
+                (key or "").encode() + b"\0" + body
+            ).hexdigest()
+        batch.append(entry)
+        count += 1
+        if len(batch) == MAX_BATCH:
+            await flush()
+    await flush()
+    return count
