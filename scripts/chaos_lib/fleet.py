@@ -156,6 +156,21 @@ class Fleet:
                     and now >= slot.restart_at:
                 self._spawn(slot)
 
+    def settle(self, timeout: float) -> None:
+        """Restart every slot whose worker is gone, then let all run until they go idle.
+
+        Work a killed worker left uncommitted is redelivered now and must be absorbed as
+        duplicates; afterwards nothing may remain uncommitted.
+        """
+        self.tick(want_workers=False)
+        for slot in self.slots:
+            inc = slot.current
+            if inc is None or inc.proc.poll() is not None:
+                if inc is not None and inc.ended_at is None:
+                    self.tick(want_workers=False)
+                self._spawn(slot)
+        self.wait_all(timeout)
+
     def wait_all(self, timeout: float) -> None:
         """Wait up to ``timeout`` s for every current worker to exit, then SIGTERM the rest."""
         end = time.monotonic() + timeout

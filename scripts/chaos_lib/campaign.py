@@ -1,0 +1,461 @@
+"""One fault campaign: servers up, jobs in, workers under fire, then the books are checked.
+
+Faults are tied to progress, not the clock: each planned kill, drain and broker
+restart fires when the share of results in the sink passes a threshold drawn
+uniformly from [5 %, 85 %], so a fast or slow machine meets the same number of
+faults while work is in flight. S3 faults (5xx, resets, lost acks, latency) come
+from the proxy between the workers and moto for the whole run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .checker import CheckResult, check_results, list_keys
+from .fleet import Fate, Fleet
+from .jobs import JobSet, make_jobs
+from .proxy import ChaosProxy
+from .servers import AWS_ENV, MotoServer, TansuBroker
+
+log = logging.getLogger(__name__)
+
+RESULTS_BUCKET = "chaos-results"
+
+
+@dataclass(slots=True)
+class CampaignConfig:
+    """Everything a campaign varies; defaults are the full Kafka campaign."""
+
+    queue: str = "kafka"                 # "kafka" | "sqs"
+    jobs: int = 2000
+    workers: int = 3
+    duration: float = 600.0              # give up (and fail) after this many seconds
+    seed: int = 1
+    s3_error_rate: float = 0.05
+    s3_latency: float = 0.0
+    reset_rate: float = 0.02
+    lost_ack_rate: float = 0.02
+    kills: int = 4
+    drains: int = 2
+    broker_restarts: int = 1
+    poison: int = 5
+    invalid_share: float = 0.02
+    delay_ms: int = 20                   # echo engine: sleep per step
+    model: str | None = None             # overrides the echo model
+    until_idle: float = 6.0
+    partitions: int = 6
+    max_inflight_jobs: int = 64
+    drain_seconds: float = 10.0
+    sqs_visibility: int = 5
+    sqs_max_receives: int = 6
+    work_dir: Path | None = None
+    moto_url: str | None = None          # reuse a running moto (tests' fixture)
+    kafka_bootstrap: str | None = None   # reuse a running broker (no broker restarts then)
+    keep_logs: bool = False
+
+
+@dataclass(slots=True)
+class Report:
+    """The campaign's figures; ``ok`` when nothing is missing, duplicated or invalid."""
+
+    queue: str
+    seed: int
+    jobs_produced: int = 0
+    poison_produced: int = 0
+    results_found: int = 0
+    missing: int = 0
+    duplicates: int = 0
+    invalid: int = 0
+    unexpected: int = 0
+    error_records: int = 0
+    duplicates_absorbed_412: int = 0
+    duplicates_reported_by_workers: int = 0
+    dead_lettered: int = 0
+    poison_in_dlq: int = 0
+    valid_jobs_in_dlq: int = 0
+    kills: int = 0
+    drains: int = 0
+    drain_bad_exits: int = 0
+    drain_max_seconds: float = 0.0
+    broker_restarts: int = 0
+    worker_starts: int = 0
+    worker_crashes: int = 0
+    idle_exits: int = 0
+    redeliveries: int = 0
+    final_lag: int | None = None
+    faults: dict[str, int] = field(default_factory=dict)
+    wall_seconds: float = 0.0
+    samples: dict[str, list[str]] = field(default_factory=dict)
+    log_dir: str = ""
+
+    @property
+    def ok(self) -> bool:
+        """True when every job has exactly one valid result and drains exited 0."""
+        return (self.missing == 0 and self.duplicates == 0 and self.invalid == 0
+                and self.unexpected == 0 and self.drain_bad_exits == 0
+                and self.poison_in_dlq >= self.poison_produced)
+
+    def as_json(self) -> str:
+        """One JSON line with every figure."""
+        return json.dumps({**asdict(self), "ok": self.ok}, ensure_ascii=False, sort_keys=True)
+
+    def table(self) -> str:
+        """A human table of the figures."""
+        rows = [("queue", self.queue), ("seed", self.seed),
+                ("jobs produced", self.jobs_produced), ("poison produced", self.poison_produced),
+                ("results found", self.results_found), ("MISSING", self.missing),
+                ("DUPLICATE objects", self.duplicates), ("INVALID records", self.invalid),
+                ("unexpected objects", self.unexpected), ("error records (expected)",
+                                                           self.error_records),
+                ("412 duplicates absorbed (S3)", self.duplicates_absorbed_412),
+                ("duplicates seen by workers", self.duplicates_reported_by_workers),
+                ("dead-lettered (DLQ entries)", self.dead_lettered),
+                ("poison in DLQ", self.poison_in_dlq),
+                ("valid jobs in DLQ", self.valid_jobs_in_dlq),
+                ("kills (SIGKILL)", self.kills), ("drains (SIGTERM)", self.drains),
+                ("drains not exiting 0", self.drain_bad_exits),
+                ("longest drain (s)", f"{self.drain_max_seconds:.1f}"),
+                ("broker restarts", self.broker_restarts), ("worker starts", self.worker_starts),
+                ("worker crashes", self.worker_crashes), ("idle exits", self.idle_exits),
+                ("redeliveries (>=)", self.redeliveries), ("final consumer lag", self.final_lag)]
+        rows += [(f"fault {k}", v) for k, v in sorted(self.faults.items())]
+        rows += [("wall time (s)", f"{self.wall_seconds:.1f}"), ("RESULT", "OK" if self.ok
+                                                                 else "FAILED")]
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _s3(url: str) -> Any:
+    import boto3
+
+    return boto3.client("s3", endpoint_url=url, region_name="us-east-1",
+                        aws_access_key_id="testing", aws_secret_access_key="testing")
+
+
+def _sqs(url: str) -> Any:
+    import boto3
+
+    return boto3.client("sqs", endpoint_url=url, region_name="us-east-1",
+                        aws_access_key_id="testing", aws_secret_access_key="testing")
+
+
+def _qworker(args: list[str], env: dict[str, str], log_path: Path) -> None:
+    import os
+
+    with log_path.open("ab") as out:
+        rc = subprocess.run([sys.executable, "-m", "qworker", *args], stdout=out,
+                            stderr=subprocess.STDOUT, env={**os.environ, **AWS_ENV, **env},
+                            timeout=300).returncode
+    if rc != 0:
+        raise RuntimeError(f"qworker {args[0]} exited {rc}; see {log_path}")
+
+
+class Campaign:
+    """Runs one campaign described by a ``CampaignConfig``; see ``run_campaign``."""
+
+    def __init__(self, cfg: CampaignConfig) -> None:
+        self.cfg = cfg
+        self.rng = random.Random(cfg.seed)
+        self.dir = cfg.work_dir or Path(tempfile.mkdtemp(prefix=f"chaos-{cfg.queue}-"))
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.report = Report(cfg.queue, cfg.seed, log_dir=str(self.dir))
+        self.moto: MotoServer | None = None
+        self.broker: TansuBroker | None = None
+        self.proxy: ChaosProxy | None = None
+        self.fleet: Fleet | None = None
+        self.batch_id = f"chaos-{cfg.seed}"
+        self.prefix = f"run-{cfg.queue}-{cfg.seed}-{uuid.uuid4().hex[:8]}"
+        # Unique names: tests share one broker and one moto for the whole session.
+        self.topic = f"chaos-jobs-{self.prefix}"
+        self.group = f"chaos-{self.prefix}"
+        self.jobs: JobSet = make_jobs(cfg.jobs, self.batch_id, self.rng, cfg.invalid_share,
+                                      cfg.poison)
+        self.source_uri = ""
+        self.dlq_url = ""
+        self.queue_url = ""
+
+    # -- setup ---------------------------------------------------------------------
+    def _start_servers(self) -> str:
+        moto_url = self.cfg.moto_url
+        if moto_url is None:
+            self.moto = MotoServer(self.dir)
+            self.moto.start()
+            moto_url = self.moto.url
+        s3 = _s3(moto_url)
+        for bucket in (RESULTS_BUCKET, "tansu"):
+            with contextlib.suppress(s3.exceptions.BucketAlreadyOwnedByYou):
+                s3.create_bucket(Bucket=bucket)
+        if self.cfg.queue == "kafka" and self.cfg.kafka_bootstrap is None:
+            self.broker = TansuBroker(self.dir, s3_url=moto_url)
+            self.broker.start()
+        self.proxy = ChaosProxy(moto_url, error_rate=self.cfg.s3_error_rate,
+                                latency=self.cfg.s3_latency, reset_rate=self.cfg.reset_rate,
+                                lost_ack_rate=self.cfg.lost_ack_rate, seed=self.cfg.seed)
+        self.proxy.start()
+        return moto_url
+
+    def _bootstrap(self) -> str:
+        if self.broker is not None:
+            return self.broker.bootstrap
+        assert self.cfg.kafka_bootstrap is not None
+        return self.cfg.kafka_bootstrap
+
+    async def _kafka_setup(self) -> None:
+        from aiokafka import AIOKafkaProducer
+        from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+        admin = AIOKafkaAdminClient(bootstrap_servers=self._bootstrap())
+        await admin.start()
+        try:
+            await admin.create_topics([NewTopic(self.topic, self.cfg.partitions, 1),
+                                       NewTopic(f"{self.topic}.dlq", 1, 1)])
+        finally:
+            await admin.close()
+        producer = AIOKafkaProducer(bootstrap_servers=self._bootstrap())
+        await producer.start()
+        try:
+            for i, body in enumerate(self.jobs.poison):
+                await producer.send_and_wait(self.topic, body, key=f"poison-{i}".encode())
+        finally:
+            await producer.stop()
+
+    def _sqs_setup(self, moto_url: str) -> None:
+        sqs = _sqs(moto_url)
+        self.dlq_url = sqs.create_queue(QueueName=f"chaos-dlq-{self.prefix}")["QueueUrl"]
+        arn = sqs.get_queue_attributes(QueueUrl=self.dlq_url, AttributeNames=["QueueArn"])[
+            "Attributes"]["QueueArn"]
+        policy = json.dumps({"deadLetterTargetArn": arn,
+                             "maxReceiveCount": str(self.cfg.sqs_max_receives)})
+        self.queue_url = sqs.create_queue(
+            QueueName=f"chaos-jobs-{self.prefix}",
+            Attributes={"VisibilityTimeout": str(self.cfg.sqs_visibility),
+                        "RedrivePolicy": policy})["QueueUrl"]
+        for body in self.jobs.poison:
+            # SQS bodies are text: poison is non-JSON text, not invalid UTF-8.
+            sqs.send_message(QueueUrl=self.queue_url,
+                             MessageBody=body.decode("utf-8", "replace"))
+
+    def _produce(self, moto_url: str) -> None:
+        jobs_path = self.dir / "jobs.jsonl"
+        self.jobs.write(jobs_path)
+        if self.cfg.queue == "kafka":
+            asyncio.run(self._kafka_setup())
+            self.source_uri = f"kafka://{self._bootstrap()}/{self.topic}?group={self.group}"
+            env: dict[str, str] = {}
+        else:
+            self._sqs_setup(moto_url)
+            self.source_uri = f"sqs://{self.queue_url}"
+            env = {"QWORKER_SQS_ENDPOINT_URL": moto_url}
+        _qworker(["produce", "-i", str(jobs_path), "--to", self.source_uri,
+                  "--batch-id", self.batch_id], env, self.dir / "produce.log")
+        self.report.jobs_produced = len(self.jobs.lines)
+        self.report.poison_produced = len(self.jobs.poison)
+
+    def _worker_env(self, moto_url: str) -> dict[str, str]:
+        assert self.proxy is not None
+        env = {
+            "QWORKER_S3_ENDPOINT_URL": self.proxy.url,
+            "QWORKER_SQS_ENDPOINT_URL": moto_url,
+            "QWORKER_DRAIN_SECONDS": str(self.cfg.drain_seconds),
+            "QWORKER_SPOT_METADATA_URL": "",
+            "QWORKER_KAFKA_SESSION_TIMEOUT_MS": "3000",
+            "QWORKER_KAFKA_COMMIT_INTERVAL_SECONDS": "1",
+            "QWORKER_MAX_INFLIGHT_JOBS": str(self.cfg.max_inflight_jobs),
+            "QWORKER_LOG_FORMAT": "json",
+        }
+        if self.cfg.queue == "sqs":
+            env["QWORKER_SQS_VISIBILITY_TIMEOUT"] = str(self.cfg.sqs_visibility)
+            env["QWORKER_SQS_DLQ_URL"] = self.dlq_url
+        return env
+
+    # -- the run -------------------------------------------------------------------
+    def _plan(self) -> list[tuple[float, str]]:
+        cfg = self.cfg
+        kinds = ["kill"] * cfg.kills + ["drain"] * cfg.drains
+        if cfg.queue == "kafka" and self.broker is not None:
+            kinds += ["broker"] * cfg.broker_restarts
+        return sorted((self.rng.uniform(0.05, 0.85), k) for k in kinds)
+
+    def _fire(self, kind: str) -> bool:
+        assert self.fleet is not None
+        if kind == "broker":
+            assert self.broker is not None
+            log.info("restarting the broker")
+            self.broker.restart(self.rng.uniform(0.5, 2.0))
+            self.report.broker_restarts += 1
+            return True
+        live = self.fleet.live()
+        if not live:
+            return False
+        slot = self.rng.choice(live)
+        if kind == "kill":
+            log.info("SIGKILL worker %d", slot.index)
+            self.fleet.kill(slot, restart_after=self.rng.uniform(0.3, 2.0))
+            self.report.kills += 1
+        else:
+            log.info("SIGTERM worker %d", slot.index)
+            self.fleet.drain(slot)
+            self.report.drains += 1
+        return True
+
+    def _run_fleet(self, moto_url: str) -> None:
+        cfg = self.cfg
+        model = cfg.model or f"echo://?delay_ms={cfg.delay_ms}"
+        argv = ["run", "--source", self.source_uri,
+                "--sink", f"s3://{RESULTS_BUCKET}/{self.prefix}", "--model", model,
+                "--until-idle", str(cfg.until_idle)]
+        self.fleet = Fleet(cfg.workers, argv, self._worker_env(moto_url), self.dir, self.rng)
+        s3 = _s3(moto_url)
+        listing = f"{self.prefix}/"
+        plan = self._plan()
+        expected = len(self.jobs.expected)
+        deadline = time.monotonic() + cfg.duration
+        self.fleet.start()
+        last_count = -1
+        while time.monotonic() < deadline:
+            count = len(list_keys(s3, RESULTS_BUCKET, listing))
+            if count != last_count:
+                log.info("progress %d/%d", count, expected)
+                last_count = count
+            while plan and count >= plan[0][0] * expected and self._fire(plan[0][1]):
+                plan.pop(0)
+            if count >= expected and not plan:
+                break
+            self.fleet.tick(want_workers=True)
+            time.sleep(0.3)
+        self.fleet.settle(cfg.until_idle + 40)
+
+    # -- the books -----------------------------------------------------------------
+    async def _kafka_books(self) -> None:
+        from aiokafka import AIOKafkaConsumer, TopicPartition
+
+        consumer = AIOKafkaConsumer(bootstrap_servers=self._bootstrap(), group_id=self.group,
+                                    enable_auto_commit=False)
+        await consumer.start()
+        try:
+            tps = [TopicPartition(self.topic, p) for p in range(self.cfg.partitions)]
+            # tansu's ListOffsets(latest) answers per record batch, not per record, so the
+            # lag is what was produced to the fresh topic minus what the group committed.
+            committed = [await consumer.committed(tp) or 0 for tp in tps]
+            log.info("committed offsets per partition: %s", committed)
+            self.report.final_lag = (self.report.jobs_produced + self.report.poison_produced
+                                     - sum(committed))
+        finally:
+            await consumer.stop()
+        dlq = AIOKafkaConsumer(f"{self.topic}.dlq", bootstrap_servers=self._bootstrap(),
+                               auto_offset_reset="earliest", enable_auto_commit=False)
+        await dlq.start()
+        bodies: list[bytes] = []
+        try:
+            while True:
+                batch = await dlq.getmany(timeout_ms=1500)
+                if not batch:
+                    break
+                bodies += [m.value for ms in batch.values() for m in ms]
+        finally:
+            await dlq.stop()
+        self._count_dlq(bodies)
+
+    def _sqs_books(self, moto_url: str) -> None:
+        sqs = _sqs(moto_url)
+        attrs = sqs.get_queue_attributes(
+            QueueUrl=self.queue_url,
+            AttributeNames=["ApproximateNumberOfMessages",
+                            "ApproximateNumberOfMessagesNotVisible"])["Attributes"]
+        self.report.final_lag = sum(int(v) for v in attrs.values())
+        bodies: list[bytes] = []
+        while True:
+            got = sqs.receive_message(QueueUrl=self.dlq_url, MaxNumberOfMessages=10,
+                                      VisibilityTimeout=600, WaitTimeSeconds=0).get("Messages", [])
+            if not got:
+                break
+            bodies += [m["Body"].encode() for m in got]
+        self._count_dlq(bodies)
+
+    def _count_dlq(self, bodies: list[bytes]) -> None:
+        self.report.dead_lettered = len(bodies)
+        poison = {p.decode("utf-8", "replace").encode() for p in self.jobs.poison} \
+            | set(self.jobs.poison)
+        self.report.poison_in_dlq = len({b for b in bodies if b in poison})
+        valid = 0
+        for b in bodies:
+            with contextlib.suppress(ValueError):
+                rec = json.loads(b)
+                if isinstance(rec, dict) and rec.get("custom_id") in self.jobs.expected:
+                    valid += 1
+        self.report.valid_jobs_in_dlq = valid
+
+    def _books(self, moto_url: str) -> CheckResult:
+        from qworker.schema import result_key
+
+        r = self.report
+        check = check_results(_s3(moto_url), RESULTS_BUCKET, f"{self.prefix}/", self.jobs,
+                              lambda cid: result_key(self.prefix, self.batch_id, cid))
+        r.results_found, r.missing = check.found, len(check.missing)
+        r.duplicates, r.invalid = len(check.duplicates), len(check.invalid)
+        r.unexpected, r.error_records = len(check.unexpected), check.error_records
+        r.samples = {k: v[:5] for k, v in (("missing", check.missing),
+                                          ("duplicates", check.duplicates),
+                                          ("invalid", check.invalid),
+                                          ("unexpected", check.unexpected)) if v}
+        if self.cfg.queue == "kafka":
+            asyncio.run(self._kafka_books())
+        else:
+            self._sqs_books(moto_url)
+        assert self.fleet is not None and self.proxy is not None
+        incs = self.fleet.incarnations()
+        r.worker_starts = len(incs)
+        r.worker_crashes = sum(1 for i in incs if i.fate is Fate.EXITED and i.returncode != 0)
+        r.idle_exits = sum(1 for i in incs if i.fate is Fate.EXITED and i.returncode == 0)
+        drains = [i for i in incs if i.fate is Fate.DRAINED]
+        r.drain_bad_exits = sum(1 for i in drains if i.returncode != 0)
+        r.drain_max_seconds = max(((i.ended_at or 0) - (i.signalled_at or 0) for i in drains),
+                                  default=0.0)
+        received = self.fleet.metric_total("qworker_jobs_received_total")
+        r.redeliveries = max(0, int(received) - r.jobs_produced - r.poison_produced)
+        r.duplicates_reported_by_workers = int(self.fleet.metric_total(
+            "qworker_jobs_duplicate_total"))
+        r.faults = self.proxy.faults
+        r.duplicates_absorbed_412 = r.faults.get("s3_412", 0)
+        return check
+
+    def run(self) -> Report:
+        """Run the whole campaign and return its report (servers and workers are stopped)."""
+        start = time.monotonic()
+        try:
+            moto_url = self._start_servers()
+            self._produce(moto_url)
+            self._run_fleet(moto_url)
+            self._books(moto_url)
+        finally:
+            self.report.wall_seconds = time.monotonic() - start
+            if self.fleet is not None:
+                self.fleet.close()
+            if self.proxy is not None:
+                self.proxy.stop()
+            if self.broker is not None:
+                self.broker.stop()
+            if self.moto is not None:
+                self.moto.stop()
+        if self.report.ok and not self.cfg.keep_logs and self.cfg.work_dir is None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.report.log_dir = ""
+        return self.report
+
+
+def run_campaign(cfg: CampaignConfig) -> Report:
+    """Run one campaign (see the module docstring) and return its ``Report``."""
+    return Campaign(cfg).run()
