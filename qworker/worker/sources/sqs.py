@@ -13,18 +13,23 @@ attribute, then deletes the original. Without any DLQ it logs the body at ERROR
 and deletes it, so garbage cannot loop forever.
 
 Every boto3 call runs on a private thread pool (``qworker.worker.aws``) with a
-timeout. A receive whose await timed out may still have received messages in the
-background; those are not lost, they become visible again after the timeout.
+timeout. Receiving is a background long poll (up to ``long_poll_seconds``) that
+outlives a short ``receive`` call: its messages wait in a small local buffer (at
+most 10, heartbeated like any in-flight message). The poll runs on a daemon
+thread so an idle poll never delays process exit; a poll that completes after
+``close`` gives its messages back at once (visibility 0) from that thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hashlib
 import logging
-import math
+import threading
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -78,6 +83,7 @@ class SqsSource(Source):
         dlq_url: str | None = None,
         heartbeat_interval: float | None = None,
         call_timeout: float = 45.0,
+        long_poll_seconds: int = MAX_WAIT_SECONDS,
     ) -> None:
         self.client = client
         self.queue = queue
@@ -86,11 +92,19 @@ class SqsSource(Source):
         self.dlq_url = dlq_url
         self.heartbeat_interval = heartbeat_interval or max(1.0, self.visibility_timeout / 3)
         self.call_timeout = call_timeout
+        self.long_poll_seconds = min(MAX_WAIT_SECONDS, max(0, long_poll_seconds))
         self.on_revoke = None
         #: Visibility extensions sent so far (for tests and metrics).
         self.heartbeats = 0
         self._fifo = queue.endswith(".fifo")
         self._inflight: dict[str, Message] = {}
+        self._buffer: deque[Message] = deque()
+        self._ready = asyncio.Event()
+        self._arrival_lock = threading.Lock()
+        self._arrived: list[dict[str, Any]] = []
+        self._poll: concurrent.futures.Future[Any] | None = None
+        self._poll_failed = False
+        self._poll_backoff_until = 0.0
         self._runner = BlockingRunner(4, "qworker-sqs")
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._closed = False
@@ -126,27 +140,89 @@ class SqsSource(Source):
         return str(found["QueueUrl"])
 
     async def receive(self, max_messages: int, timeout: float) -> list[Message]:
-        """Long-poll for up to ``min(max_messages, 10)`` messages for about ``timeout`` s."""
-        if self._closed or max_messages < 1:
-            return []
-        start = time.monotonic()
-        wait = min(MAX_WAIT_SECONDS, max(0, math.floor(timeout)))
+        """Up to ``max_messages`` received messages; ``[]`` after ``timeout`` seconds.
+
+        A background long poll (``long_poll_seconds``, at most 10 messages) keeps
+        running across calls, so a short ``timeout`` never turns into short polling.
+        """
+        deadline = time.monotonic() + timeout
+        while not self._closed:
+            self._take_arrived()
+            if self._buffer:
+                out = []
+                while self._buffer and len(out) < max_messages:
+                    out.append(self._buffer.popleft())
+                return out
+            self._ensure_poll(max_messages)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return []
+            self._ready.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._ready.wait(), min(remaining, 1.0))
+        return []
+
+    def _ensure_poll(self, max_messages: int) -> None:
+        if self._poll is not None or time.monotonic() < self._poll_backoff_until:
+            return
+        loop = asyncio.get_running_loop()
+        wanted = min(MAX_BATCH, max(1, max_messages))
+        poll: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        poll.add_done_callback(lambda fut: self._poll_finished(fut, loop))
+        self._poll = poll
+        # A daemon thread, not the pool: an idle 20 s poll must not hold up process exit.
+        threading.Thread(
+            target=self._poll_once, args=(wanted, poll), name="qworker-sqs-poll", daemon=True
+        ).start()
+
+    def _poll_once(self, wanted: int, poll: concurrent.futures.Future[Any]) -> None:
+        # Runs on the poll thread.
         try:
-            resp = await self._call(
-                "receive_message",
-                QueueUrl=self.queue_url,
-                MaxNumberOfMessages=min(MAX_BATCH, max_messages),
-                WaitTimeSeconds=wait,
-                VisibilityTimeout=self.visibility_timeout,
-                MessageSystemAttributeNames=["ApproximateReceiveCount"],
-                MessageAttributeNames=["All"],
-            )
+            poll.set_result(self._receive_raw(wanted))
         except Exception as exc:
-            log.warning("sqs receive failed: %r", exc)
-            resp = {}
+            poll.set_exception(exc)
+
+    def _receive_raw(self, wanted: int) -> list[dict[str, Any]]:
+        resp = self.client.receive_message(
+            QueueUrl=self.queue_url,
+            MaxNumberOfMessages=wanted,
+            WaitTimeSeconds=self.long_poll_seconds,
+            VisibilityTimeout=self.visibility_timeout,
+            MessageSystemAttributeNames=["ApproximateReceiveCount"],
+            MessageAttributeNames=["All"],
+        )
+        return list(resp.get("Messages", []))
+
+    def _poll_finished(self, fut: concurrent.futures.Future[Any], loop: Any) -> None:
+        # Runs on the poll thread. After close nobody will take the messages: give them
+        # back right here (visibility 0) instead of letting them sit invisible.
+        with self._arrival_lock:
+            try:
+                raws = fut.result()
+                failed = False
+            except Exception as exc:
+                log.warning("sqs receive failed: %r", exc)
+                raws, failed = [], True
+            if self._closed:
+                self._release_sync(raws)
+                return
+            self._arrived.extend(raws)
+            self._poll_failed = failed
+        with contextlib.suppress(RuntimeError):  # the loop is gone: close() handles it
+            loop.call_soon_threadsafe(self._on_poll_done)
+
+    def _on_poll_done(self) -> None:
+        self._poll = None
+        if self._poll_failed:
+            self._poll_backoff_until = time.monotonic() + 1.0
+        self._take_arrived()
+        self._ready.set()
+
+    def _take_arrived(self) -> None:
+        with self._arrival_lock:
+            raws, self._arrived = self._arrived, []
         now = time.time()
-        out: list[Message] = []
-        for raw in resp.get("Messages", []):
+        for raw in raws:
             attrs = raw.get("MessageAttributes") or {}
             key = attrs.get(KEY_ATTRIBUTE, {}).get("StringValue")
             count = int((raw.get("Attributes") or {}).get("ApproximateReceiveCount", "1"))
@@ -158,13 +234,20 @@ class SqsSource(Source):
                 received_at=now,
             )
             self._inflight[msg.message_id] = msg
-            out.append(msg)
-        if not out:
-            # A sub-second timeout cannot be a long poll; don't let callers spin on it.
-            left = timeout - (time.monotonic() - start)
-            if left > 0:
-                await asyncio.sleep(left)
-        return out
+            self._buffer.append(msg)
+
+    def _release_sync(self, raws: list[dict[str, Any]]) -> None:
+        for i in range(0, len(raws), MAX_BATCH):
+            entries = [
+                {"Id": str(n), "ReceiptHandle": r["ReceiptHandle"], "VisibilityTimeout": 0}
+                for n, r in enumerate(raws[i : i + MAX_BATCH])
+            ]
+            try:
+                self.client.change_message_visibility_batch(
+                    QueueUrl=self.queue_url, Entries=entries
+                )
+            except Exception as exc:
+                log.warning("sqs release after close failed: %r", exc)
 
     async def ack(self, msg: Message) -> None:
         """Delete ``msg`` (its result is in the sink). A stale receipt is logged, not raised."""
@@ -224,7 +307,17 @@ class SqsSource(Source):
         """Stop heartbeats and make every message still in flight visible again; idempotent."""
         if self._closed:
             return
-        self._closed = True
+        poll = self._poll
+        if poll is not None and not poll.done():
+            # On a busy queue the poll returns within milliseconds: wait a moment so its
+            # messages are released below rather than by the poll thread.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(poll)), 0.3)
+            await asyncio.sleep(0)  # let _on_poll_done run
+        with self._arrival_lock:
+            self._closed = True  # a poll finishing from now on releases its own messages
+        self._take_arrived()
+        self._buffer.clear()
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

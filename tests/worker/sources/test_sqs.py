@@ -192,3 +192,24 @@ def test_configured_dlq_url_wins_over_the_redrive_policy(
         await source.close()
 
     asyncio.run(go())
+
+
+def test_a_long_poll_that_returns_after_close_gives_its_messages_back(
+    moto_server: str, sqs_queue: Callable[..., QueueInfo]
+) -> None:
+    queue = sqs_queue(visibility=60)
+
+    async def go() -> None:
+        source = _source(moto_server, queue.url, long_poll_seconds=5)
+        await source.start()
+        assert await source.receive(10, 0.2) == []  # leaves a long poll outstanding
+        await source.close()
+        await _fill(moto_server, queue.url, 1)  # the orphaned poll receives this one
+        other = _source(moto_server, queue.url)
+        await other.start()
+        got = await _receive_n(other, 1, timeout=5)
+        assert len(got) == 1, "the message stayed invisible after the poll's owner closed"
+        await other.ack(got[0])
+        await other.close()
+
+    asyncio.run(go())
