@@ -179,6 +179,12 @@ class KafkaSource(Source):
                 await task
         if self._consumer is not None:
             await self.commit()
+            coordinator = getattr(self._consumer, "_coordinator", None)
+            if getattr(coordinator, "generation", None) == 0:
+                # tansu numbers the first generation 0 and aiokafka only sends LeaveGroup
+                # from generation > 0; without it the group waits a full session timeout
+                # before handing our partitions on. LeaveGroup itself carries no generation.
+                coordinator.generation = 1  # type: ignore[union-attr]
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._consumer.stop(), self.request_timeout)
         if self._producer is not None:
