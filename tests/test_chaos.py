@@ -26,9 +26,9 @@ pytestmark = pytest.mark.slow
 
 def _reduced(queue: str, tmp_path: Path, moto_url: str, **kw: object) -> CampaignConfig:
     return CampaignConfig(
-        queue=queue, jobs=200, workers=2, duration=120, seed=7, kills=1, drains=1,
+        queue=queue, jobs=150, workers=2, duration=120, seed=7, kills=1, drains=1,
         broker_restarts=0, s3_error_rate=0.03, reset_rate=0.01, lost_ack_rate=0.02, poison=3,
-        delay_ms=10, until_idle=3, drain_seconds=5, partitions=4, sqs_visibility=4,
+        delay_ms=10, until_idle=2.5, drain_seconds=5, partitions=4, sqs_visibility=4,
         sqs_max_receives=8, work_dir=tmp_path, moto_url=moto_url, **kw,
     )
 
@@ -60,3 +60,13 @@ def test_sqs_campaign_loses_and_duplicates_nothing(tmp_path: Path, moto_server: 
     """SQS: kill (visibility expiry redelivers) + drain + flaky S3; poison lands in the DLQ."""
     report = run_campaign(_reduced("sqs", tmp_path, moto_server))
     _assert_books_balance(report)
+
+
+def test_run_help_prints_for_the_campaign_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    """Regression: ``qworker run --help`` crashed on a ``%`` in a setting's description."""
+    from qworker.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "--help"])
+    assert exc.value.code == 0
+    assert "--until-idle" in capsys.readouterr().out
