@@ -62,6 +62,7 @@ def add_settings_flags(parser: argparse.ArgumentParser, names: Sequence[str] | N
         flag = "--" + name.replace("_", "-")
         kind, choices, is_bool = _flag_type(info.annotation)
         help_text = f"{info.description} (env QWORKER_{name.upper()}, default {info.default!r})"
+        help_text = help_text.replace("%", "%%")
         if is_bool:
             parser.add_argument(
                 flag,

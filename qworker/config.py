@@ -62,7 +62,7 @@ class WorkerSettings(BaseSettings):
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="dtype")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="device")
-    block_size: Literal[8, 16, 32] = Field(16, description="tokens per KV block")
+    block_size: int = Field(16, description="tokens per KV block: 8, 16 or 32")
     num_kv_blocks: int | None = Field(None, description="exact KV pool size in blocks")
     kv_cache_memory: int | None = Field(None, description="bytes for the KV pool")
     gpu_memory_utilization: float = Field(0.90, description="GPU memory share for the engine")
@@ -105,6 +105,13 @@ class WorkerSettings(BaseSettings):
         if upper not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
             raise ValueError(f"log_level {value!r} must be DEBUG, INFO, WARNING, ERROR or CRITICAL")
         return upper
+
+    @field_validator("block_size")
+    @classmethod
+    def _check_block_size(cls, value: int) -> int:
+        if value not in (8, 16, 32):
+            raise ValueError(f"block_size must be 8, 16 or 32, got {value}")
+        return value
 
     @field_validator("metrics_port")
     @classmethod

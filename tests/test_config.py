@@ -8,10 +8,10 @@ import pytest
 
 pytest.importorskip("pydantic_settings")
 
-from pydantic import ValidationError  # noqa: E402
+from pydantic import ValidationError
 
-from qworker.cli import build_parser, load_settings  # noqa: E402
-from qworker.config import WorkerSettings  # noqa: E402
+from qworker.cli import build_parser, load_settings
+from qworker.config import WorkerSettings
 
 
 @pytest.fixture(autouse=True)
