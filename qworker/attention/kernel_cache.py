@@ -1,0 +1,150 @@
+"""Compiled CUDA kernels, once per (source, template instantiation, device), and launching
+them on torch's current stream.
+
+cupy is imported on first use only, so this module imports on machines without it.
+Kernels compile through ``cupy.RawModule`` (NVRTC, for the device's own architecture) with
+the options of :mod:`qworker.attention.cuda_kernels`; cupy also keeps the cubin in its
+on-disk cache, so a second process skips NVRTC. Arguments are passed as numpy scalars of the
+exact C type (pointers as ``uint64``), so tensors travel zero-copy by ``data_ptr()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from qworker.attention.cuda_kernels import NVRTC_OPTIONS, source
+
+logger = logging.getLogger(__name__)
+
+
+def import_cupy() -> Any:
+    """The ``cupy`` module (cupy-cuda12x or -13x, whichever is installed)."""
+    import cupy
+
+    return cupy
+
+
+def cupy_available() -> bool:
+    """Whether cupy imports here (it still needs a driver to launch anything)."""
+    try:
+        import_cupy()
+    except Exception:  # ImportError, or a broken CUDA library load
+        return False
+    return True
+
+
+def ptr(t: torch.Tensor | None) -> np.uint64:
+    """A tensor's device address as a kernel pointer argument (null for None)."""
+    return np.uint64(0 if t is None else t.data_ptr())
+
+
+def i32(x: int) -> np.int32:
+    """An ``int`` kernel argument."""
+    return np.int32(x)
+
+
+def i64(x: int) -> np.int64:
+    """A ``long long`` kernel argument."""
+    return np.int64(x)
+
+
+def f32(x: float) -> np.float32:
+    """A ``float`` kernel argument."""
+    return np.float32(x)
+
+
+class KernelRunner(Protocol):
+    """What the CUDA backend needs of a kernel runner: look a kernel up, launch it."""
+
+    def get(self, source_name: str, name_expression: str, device: torch.device) -> Any:
+        """A launchable handle for ``name_expression`` of ``cuda/<source_name>``."""
+        ...
+
+    def launch(
+        self,
+        kernel: Any,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        args: tuple[Any, ...],
+        device: torch.device,
+        shared_mem: int = 0,
+    ) -> None:
+        """Run ``kernel`` over ``grid`` with ``args`` (numpy scalars of the C types)."""
+        ...
+
+
+class KernelCache:
+    """Compiled kernels keyed by (source file, name expression, device index).
+
+    Thread-safe; compilation happens at the first request of a key and is logged with its
+    duration.
+    """
+
+    def __init__(self) -> None:
+        self._kernels: dict[tuple[str, str, int], Any] = {}
+        self._streams: dict[tuple[int, int], Any] = {}
+        self._lock = threading.Lock()
+
+    def get(self, source_name: str, name_expression: str, device: torch.device) -> Any:
+        """The ``cupy.RawKernel`` for ``name_expression`` in ``cuda/<source_name>``."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        key = (source_name, name_expression, index)
+        kernel = self._kernels.get(key)
+        if kernel is not None:
+            return kernel
+        with self._lock:
+            kernel = self._kernels.get(key)
+            if kernel is None:
+                cupy = import_cupy()
+                started = time.perf_counter()
+                with cupy.cuda.Device(index):
+                    module = cupy.RawModule(
+                        code=source(source_name),
+                        options=NVRTC_OPTIONS,
+                        name_expressions=[name_expression],
+                    )
+                    kernel = module.get_function(name_expression)
+                logger.info(
+                    "compiled %s from %s for cuda:%d in %.2fs",
+                    name_expression,
+                    source_name,
+                    index,
+                    time.perf_counter() - started,
+                )
+                self._kernels[key] = kernel
+        return kernel
+
+    def launch(
+        self,
+        kernel: Any,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        args: tuple[Any, ...],
+        device: torch.device,
+        shared_mem: int = 0,
+    ) -> None:
+        """Launch ``kernel`` on torch's current stream of ``device``."""
+        cupy = import_cupy()
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        handle = torch.cuda.current_stream(index).cuda_stream
+        stream = self._streams.get((handle, index))
+        if stream is None:
+            with warnings.catch_warnings():
+                # cupy 14 deprecates ExternalStream in favour of Stream.from_external, which
+                # cupy 13 lacks; both accept a raw handle this way.
+                warnings.simplefilter("ignore", DeprecationWarning)
+                stream = cupy.cuda.ExternalStream(handle, index)
+            self._streams[(handle, index)] = stream
+        with cupy.cuda.Device(index), stream:
+            kernel(grid, block, args, shared_mem=shared_mem)
+
+
+#: The process-wide cache every backend instance shares.
+KERNELS = KernelCache()
