@@ -81,10 +81,15 @@ class EngineThread:
         prompt: str | list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        n_tokens: int | None = None,
     ) -> None:
-        """Add a request; raises the engine's validation errors synchronously."""
+        """Add a request; raises the engine's validation errors synchronously.
+
+        ``n_tokens`` (the prompt length, estimated for text) feeds ``pending_blocks``.
+        """
         self.engine.add_request(request_id, prompt, params, arrival_time)
-        n_tokens = len(prompt) if isinstance(prompt, list) else len(prompt) // 3 + 1
+        if n_tokens is None:
+            n_tokens = len(prompt) if isinstance(prompt, list) else len(prompt.encode())
         with self._lock:
             self._inbox_blocks += math.ceil(n_tokens / self._block_size)
         self._wake.set()

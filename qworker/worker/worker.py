@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -44,6 +46,7 @@ _STATS_INTERVAL_S = 0.25
 _PROGRESS_INTERVAL_S = 10.0
 _ABORT_WAIT_S = 5.0
 _MAX_STEP_FAILURES = 3
+_MAX_RECEIVE = 64
 
 
 class AbortReason(Enum):
@@ -53,6 +56,16 @@ class AbortReason(Enum):
     DRAIN = "drain"
     REVOKED = "revoked"
     ENGINE_ERROR = "engine_error"
+
+
+@dataclass(slots=True)
+class _Ready:
+    """A parsed, tokenized job waiting at the admission gate (its message unacked)."""
+
+    msg: Message
+    job: Job
+    prompt: str | list[int]
+    n_tokens: int
 
 
 @dataclass(slots=True)
@@ -99,6 +112,7 @@ class Worker:
         self.summary = RunSummary()
         self.exit_code = 0
         self._inflight: dict[str, InFlightJob] = {}
+        self._ready: deque[_Ready] = deque()
         self._by_message: dict[str, str] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._progress = asyncio.Event()
@@ -111,8 +125,8 @@ class Worker:
 
     @property
     def busy(self) -> int:
-        """Jobs inside the worker: in the engine, or being written / acked."""
-        return len(self._inflight) + len(self._tasks)
+        """Unacked jobs inside the worker: at the gate, in the engine, or being stored."""
+        return len(self._ready) + len(self._inflight) + len(self._tasks)
 
     async def run(self) -> RunSummary:
         """Serve until drained; see the class docstring."""
@@ -158,18 +172,21 @@ class Worker:
     async def _admit_loop(self) -> None:
         until_idle = self.settings.until_idle
         while not self.drain.draining.is_set():
-            stats = self.engine.stats()
-            room = self.admission.room(stats, self._thread.pending_blocks, self.busy)
+            self._admit_ready()
+            room = 0
+            if not self._ready:
+                stats = self.engine.stats()
+                room = self.admission.room(stats, self._thread.pending_blocks, self.busy)
             if room == 0:
                 await self._wait_progress(0.05)
                 continue
-            msgs = await self.source.receive(min(room, 64), _RECEIVE_TIMEOUT_S)
+            msgs = await self.source.receive(min(room, _MAX_RECEIVE), _RECEIVE_TIMEOUT_S)
             if msgs and self.drain.draining.is_set():
                 for msg in msgs:
                     self._spawn(self.source.abandon(msg))
                 break
             for msg in msgs:
-                self._handle(msg)
+                self._prepare(msg)
             if msgs:
                 self._last_activity = time.monotonic()
             elif (
@@ -180,7 +197,8 @@ class Worker:
                 log.info("idle for %.1fs with nothing in flight: stopping", until_idle)
                 self.drain.request(DrainReason.IDLE)
 
-    def _handle(self, msg: Message) -> None:
+    def _prepare(self, msg: Message) -> None:
+        """Parse and tokenize one message; queue it for the admission gate or record it."""
         self.summary.received += 1
         self.metrics.jobs_received.inc()
         parsed = parse_job(msg.body, self.settings.max_job_bytes)
@@ -194,26 +212,54 @@ class Worker:
             self._finish_error(msg, custom_id, parsed.batch_id, exc, None)
             return
         job = parsed.job
-        if job.deadline is not None and job.deadline <= time.time():
-            exc = BatchExpiredError(f"deadline {job.deadline:.0f} passed before the job started")
-            self._finish_error(msg, custom_id, job.batch_id, exc, job.metadata)
-            return
-        request_id = uuid.uuid4().hex
         try:
             if job.kind is JobKind.CHAT:
                 prompt: str | list[int] = self.engine.encode_chat(job.messages or [])
             else:
                 prompt = job.prompt or ""
-            self._thread.submit(request_id, prompt, job.params, msg.received_at)
-        except Exception as exc:  # any rejection becomes the job's record
+        except Exception as exc:  # no tokenizer / template: the job's record says so
             self._finish_error(msg, custom_id, job.batch_id, exc, job.metadata)
             return
-        n_tokens = len(prompt) if isinstance(prompt, list) else len(prompt) // 3 + 1
-        self.admission.observe_prompt(n_tokens, self._block_size)
+        n_tokens = self._count_tokens(prompt)
+        self._ready.append(_Ready(msg, job, prompt, n_tokens))
+
+    def _count_tokens(self, prompt: str | list[int]) -> int:
+        if isinstance(prompt, list):
+            return len(prompt)
+        tokenizer = getattr(self.engine, "tokenizer", None)
+        if tokenizer is not None:
+            return len(tokenizer.encode(prompt))
+        return len(prompt.encode("utf-8"))  # never fewer tokens than bytes/1; exact for echo
+
+    def _admit_ready(self) -> None:
+        """Submit prepared jobs while the KV pool can take their prompts."""
+        while self._ready:
+            item = self._ready[0]
+            need = max(1, math.ceil(item.n_tokens / self._block_size))
+            stats = self.engine.stats()
+            budget = self.admission.free_budget(stats, self._thread.pending_blocks)
+            if self._inflight and budget - need < 0:
+                return
+            self._ready.popleft()
+            self._submit(item)
+
+    def _submit(self, item: _Ready) -> None:
+        msg, job = item.msg, item.job
+        if job.deadline is not None and job.deadline <= time.time():
+            exc = BatchExpiredError(f"deadline {job.deadline:.0f} passed before the job started")
+            self._finish_error(msg, job.custom_id, job.batch_id, exc, job.metadata)
+            return
+        request_id = uuid.uuid4().hex
+        try:
+            self._thread.submit(request_id, item.prompt, job.params, msg.received_at, item.n_tokens)
+        except Exception as exc:  # any rejection becomes the job's record
+            self._finish_error(msg, job.custom_id, job.batch_id, exc, job.metadata)
+            return
+        self.admission.observe_prompt(item.n_tokens, self._block_size)
         self._inflight[request_id] = InFlightJob(msg, job, request_id)
         self._by_message[msg.message_id] = request_id
         self.metrics.inflight.set(self.busy)
-        log.debug("admitted as %s", request_id, extra=_ids(custom_id, msg))
+        log.debug("admitted as %s", request_id, extra=_ids(job.custom_id, msg))
 
     # ------------------------------------------------------------ results
 
@@ -402,6 +448,9 @@ class Worker:
             until = time.monotonic() + self.settings.drain_seconds
             while self._inflight and time.monotonic() < until and not self.drain.immediate.is_set():
                 await self._wait_progress(0.1)
+        while self._ready:
+            self.summary.abandoned += 1
+            await self.source.abandon(self._ready.popleft().msg)
         for entry in self._inflight.values():
             if entry.abort_reason is None:
                 entry.abort_reason = AbortReason.DRAIN

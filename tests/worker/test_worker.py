@@ -1,0 +1,217 @@
+"""The worker loop in-process with the echo engine over file:// (qworker/worker/worker.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("orjson")
+pytest.importorskip("pydantic_settings")
+
+from qworker.config import WorkerSettings
+from qworker.engine.outputs import RequestOutput
+from qworker.worker.drain import DrainControl, DrainReason
+from qworker.worker.echo_engine import EchoEngine
+from qworker.worker.metrics import WorkerMetrics
+from qworker.worker.sinks.file import FileSink
+from qworker.worker.sources.file import FileSource
+from qworker.worker.worker import Worker
+from tests.worker.jobs import (
+    acked_lines,
+    chat_job,
+    completion_job,
+    read_results,
+    write_spool,
+)
+
+
+def _settings(tmp_path: Path, **kw: Any) -> WorkerSettings:
+    base = {"source": f"file://{tmp_path}/jobs.jsonl", "sink": f"file://{tmp_path}/out",
+            "model": "echo://", "until_idle": 0.3, "metrics_port": 0, "spot_metadata_url": ""}
+    return WorkerSettings(**{**base, **kw})
+
+
+def _run(tmp_path: Path, lines: list[Any], engine: Any = None, drain: DrainControl | None = None,
+         **kw: Any) -> Worker:
+    spool = write_spool(tmp_path / "jobs.jsonl", lines)
+    settings = _settings(tmp_path, **kw)
+
+    async def main() -> Worker:
+        worker = Worker(settings, engine or EchoEngine(), FileSource(spool),
+                        FileSink(tmp_path / "out"), drain=drain)
+        await asyncio.wait_for(worker.run(), 30)
+        return worker
+
+    return asyncio.run(main())
+
+
+def test_every_job_gets_exactly_one_record_and_is_acked(tmp_path: Path) -> None:
+    lines = [chat_job(f"c{i}", f"text {i}") for i in range(20)]
+    lines += [completion_job("p1", "abc"), completion_job("p2", [104, 105])]
+    worker = _run(tmp_path, lines)
+    results = read_results(tmp_path / "out")
+    assert set(results) == {f"c{i}" for i in range(20)} | {"p1", "p2"}
+    assert results["p1"]["response"]["body"]["choices"][0]["text"] == "abc"
+    assert results["p2"]["response"]["body"]["choices"][0]["text"] == "hi"
+    chat = results["c3"]["response"]["body"]
+    assert chat["object"] == "chat.completion" and chat["model"] == "echo"
+    assert chat["choices"][0]["message"]["content"] == "user: te"  # max_tokens=8 bytes
+    assert chat["choices"][0]["finish_reason"] == "length"
+    assert acked_lines(tmp_path / "jobs.jsonl.progress") == set(range(1, 23))
+    assert worker.summary.completed["success"] == 22 and worker.exit_code == 0
+
+
+def test_invalid_jobs_get_error_records_and_the_worker_keeps_going(tmp_path: Path) -> None:
+    lines: list[Any] = [
+        chat_job("ok1"),
+        "this is not json",
+        b"\xff\xfe not utf-8",
+        "[1, 2, 3]",
+        {"custom_id": "bad-url", "url": "/v1/embeddings", "body": {}},
+        chat_job("bad-temp", temperature=-1),
+        chat_job("bad-tools", tools=[{"type": "function"}]),
+        completion_job("too-long", "x" * 100),
+        chat_job("expired") | {"deadline": time.time() - 10},
+        chat_job("ok2"),
+    ]
+    worker = _run(tmp_path, lines, engine=EchoEngine(max_model_len=64))
+    results = read_results(tmp_path / "out")
+    codes = {cid: (r["error"] or {}).get("code") for cid, r in results.items()}
+    assert codes == {"ok1": None, "ok2": None, "bad-url": "invalid_request",
+                     "bad-temp": "invalid_request", "bad-tools": "invalid_request",
+                     "too-long": "context_length_exceeded", "expired": "batch_expired"}
+    assert results["too-long"]["error"]["message"] == "prompt is 100 tokens; max_model_len is 64"
+    dlq = [json.loads(x) for x in (tmp_path / "jobs.jsonl.dlq").read_text().splitlines()]
+    assert [d["message_id"] for d in dlq] == ["file:2", "file:3", "file:4"]
+    assert dlq[2]["reason"] == "job must be a JSON object, got an array"
+    assert acked_lines(tmp_path / "jobs.jsonl.progress") == set(range(1, 11))
+    assert worker.summary.dead_lettered == 3
+
+
+def test_deadline_passing_inside_the_engine_gives_batch_expired(tmp_path: Path) -> None:
+    slow = EchoEngine(delay_ms=50, steps=200)  # ~10 s per request
+    lines = [chat_job("late") | {"deadline": time.time() + 0.5}]
+    _run(tmp_path, lines, engine=slow)
+    record = read_results(tmp_path / "out")["late"]
+    assert record["error"]["code"] == "batch_expired"
+
+
+def test_existing_result_counts_as_duplicate_and_is_not_overwritten(tmp_path: Path) -> None:
+    (tmp_path / "out" / "default").mkdir(parents=True)
+    (tmp_path / "out" / "default" / "d1.json").write_text('{"custom_id": "d1", "first": true}')
+    worker = _run(tmp_path, [chat_job("d1"), chat_job("d2")])
+    assert json.loads((tmp_path / "out" / "default" / "d1.json").read_text())["first"] is True
+    assert worker.summary.duplicates == 1
+    assert acked_lines(tmp_path / "jobs.jsonl.progress") == {1, 2}
+
+
+class _FailOnce(EchoEngine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.failed = False
+
+    def step(self) -> list[RequestOutput]:
+        if not self.failed and self.has_unfinished():
+            self.failed = True
+            raise RuntimeError("CUDA error: device-side assert")
+        return super().step()
+
+
+def test_engine_step_failure_becomes_engine_error_records(tmp_path: Path) -> None:
+    worker = _run(tmp_path, [chat_job("e1")], engine=_FailOnce())
+    record = read_results(tmp_path / "out")["e1"]
+    assert record["error"]["code"] == "engine_error"
+    assert "device-side assert" in record["error"]["message"]
+    assert worker.exit_code == 0
+
+
+def test_drain_abandons_unfinished_jobs_without_acking(tmp_path: Path) -> None:
+    drain = DrainControl()
+    slow = EchoEngine(delay_ms=20, steps=10_000)
+    lines = [chat_job(f"s{i}") for i in range(3)]
+
+    async def trigger() -> None:
+        await asyncio.sleep(0.8)
+        drain.request(DrainReason.SIGNAL)
+
+    async def main() -> Worker:
+        spool = write_spool(tmp_path / "jobs.jsonl", lines)
+        settings = _settings(tmp_path, until_idle=None, drain_seconds=0.3)
+        worker = Worker(settings, slow, FileSource(spool), FileSink(tmp_path / "out"),
+                        drain=drain)
+        await asyncio.gather(worker.run(), trigger())
+        return worker
+
+    worker = asyncio.run(main())
+    assert read_results(tmp_path / "out") == {}
+    assert acked_lines(tmp_path / "jobs.jsonl.progress") == set()
+    assert worker.summary.abandoned == 3 and worker.summary.drain_reason == "signal"
+
+
+def test_admission_keeps_waiting_work_within_the_pool(tmp_path: Path) -> None:
+    # 8 blocks of 16 tokens, 2 in reserve: prompts of ~3 blocks -> at most 2 admitted at once.
+    engine = EchoEngine(delay_ms=5, steps=3, num_kv_blocks=8)
+    peak = 0
+    real_step = engine.step
+
+    def step() -> list[RequestOutput]:
+        nonlocal peak
+        stats = engine.stats()
+        peak = max(peak, stats["num_requests_running"] + stats["num_requests_waiting"])
+        return real_step()
+
+    engine.step = step  # type: ignore[method-assign]
+    _run(tmp_path, [completion_job(f"a{i}", "y" * 40) for i in range(10)], engine=engine,
+         admission_buffer_blocks=2)
+    assert len(read_results(tmp_path / "out")) == 10
+    assert 1 <= peak <= 2
+
+
+def test_metrics_endpoint_exposes_the_design_names(tmp_path: Path) -> None:
+    metrics = WorkerMetrics()
+    port = metrics.serve(0, host="127.0.0.1")
+    try:
+        spool = write_spool(tmp_path / "jobs.jsonl", [chat_job("m1"), "junk"])
+        settings = _settings(tmp_path)
+
+        async def main() -> None:
+            worker = Worker(settings, EchoEngine(), FileSource(spool), FileSink(tmp_path / "out"),
+                            metrics=metrics)
+            await worker.run()
+
+        assert _get(port, "/readyz")[0] == 503  # not loaded yet
+        asyncio.run(main())
+        code, text = _get(port, "/metrics")
+        assert code == 200 and _get(port, "/healthz")[0] == 200
+        for name in ["qworker_num_requests_running", "qworker_num_requests_waiting",
+                     "qworker_kv_cache_usage_perc", "qworker_num_preemptions_total",
+                     "qworker_prompt_tokens_total", "qworker_generation_tokens_total",
+                     "qworker_prefix_cache_hits_total", "qworker_time_to_first_token_seconds",
+                     "qworker_e2e_request_latency_seconds", "qworker_jobs_received_total",
+                     "qworker_jobs_completed_total", "qworker_jobs_duplicate_total",
+                     "qworker_jobs_dead_lettered_total", "qworker_inflight_jobs",
+                     "qworker_uncommitted_offsets", "qworker_sink_put_seconds",
+                     "qworker_sink_retries_total", "qworker_draining",
+                     "qworker_spot_interruptions_total"]:
+            assert f"\n{name}" in text, name
+        assert 'qworker_jobs_completed_total{status="success"} 1.0' in text
+        assert "qworker_jobs_dead_lettered_total 1.0" in text
+        assert "qworker_jobs_received_total 2.0" in text
+        assert "qworker_e2e_request_latency_seconds_count 1.0" in text
+        assert "qworker_draining 1.0" in text
+    finally:
+        metrics.close()
+
+
+def _get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
