@@ -118,13 +118,13 @@ def test_heartbeats_keep_a_long_job_invisible_to_other_workers(
 
     async def go() -> None:
         await _fill(moto_server, queue.url, 1)
-        worker = _source(moto_server, queue.url, visibility_timeout=2, heartbeat_interval=0.5)
+        worker = _source(moto_server, queue.url, visibility_timeout=2, heartbeat_interval=0.4)
         other = _source(moto_server, queue.url, visibility_timeout=2)
         await worker.start()
         await other.start()
         [msg] = await _receive_n(worker, 1)
         # The "job" runs twice the visibility timeout; the other worker keeps polling.
-        stolen = await _receive_n(other, 1, timeout=4.0)
+        stolen = await _receive_n(other, 1, timeout=3.0)
         assert stolen == []
         assert worker.heartbeats >= 3
         await worker.ack(msg)

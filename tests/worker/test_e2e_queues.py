@@ -1,0 +1,384 @@
+"""End to end through real servers: ``qworker produce`` -> Kafka/SQS -> ``qworker run`` -> S3.
+
+Each test drives the CLI as subprocesses (the echo engine stands in for the model) and
+checks the delivery guarantees of DESIGN.md on what lands in S3 and in the queues:
+every job ends with exactly one result object, kills and drains lose nothing, and
+malformed messages become error records or dead letters while the worker keeps going.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("aiokafka")
+pytest.importorskip("boto3")
+
+from qworker.schema import result_key
+from tests.fixtures.servers import QueueInfo, boto_client, running
+
+BATCH = "e2e"
+PREFIX = "out"
+
+
+def _job(i: int, content: str | None = None) -> dict[str, Any]:
+    return {
+        "custom_id": f"job-{i:03d}",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {
+            "model": "any",
+            "messages": [{"role": "user", "content": content or f"hello {i}"}],
+            "max_tokens": 8,
+            "temperature": 0,
+        },
+    }
+
+
+def _write_jobs(path: Path, lines: list[bytes]) -> Path:
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
+def _good_jobs(n: int) -> list[bytes]:
+    return [json.dumps(_job(i)).encode() for i in range(n)]
+
+
+def _env(aws_env: dict[str, str], **extra: str) -> dict[str, str]:
+    env = dict(aws_env)
+    env.update(
+        QWORKER_MODEL="echo://",
+        QWORKER_METRICS_PORT="0",
+        QWORKER_SPOT_METADATA_URL="",
+        QWORKER_KAFKA_SESSION_TIMEOUT_MS="3000",
+        QWORKER_KAFKA_COMMIT_INTERVAL_SECONDS="0.2",
+        QWORKER_LOG_LEVEL="INFO",
+        OMP_NUM_THREADS="1",
+    )
+    env.update(extra)
+    return env
+
+
+def _qworker(*args: str, env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "qworker", *args], env=env, capture_output=True, timeout=timeout
+    )
+
+
+def _run_cmd(source: str, sink: str, until_idle: float = 1.0) -> list[str]:
+    return [sys.executable, "-m", "qworker", "run", "--source", source, "--sink", sink,
+            "--until-idle", str(until_idle)]
+
+
+def _objects(endpoint: str, bucket: str) -> dict[str, bytes]:
+    s3 = boto_client("s3", endpoint)
+    out: dict[str, bytes] = {}
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        for obj in page.get("Contents", []):
+            out[obj["Key"]] = s3.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read()
+    return out
+
+
+def _count(endpoint: str, bucket: str) -> int:
+    resp = boto_client("s3", endpoint).list_objects_v2(Bucket=bucket)
+    return int(resp.get("KeyCount", 0))
+
+
+def _assert_one_valid_result_per_job(
+    endpoint: str, bucket: str, ids: list[str], errors: dict[str, str] | None = None
+) -> None:
+    """Exactly the expected keys exist; each holds a well-formed record for its job."""
+    errors = errors or {}
+    objects = _objects(endpoint, bucket)
+    expected = {result_key(PREFIX, BATCH, cid): cid for cid in ids}
+    assert set(objects) == set(expected), (
+        f"missing {sorted(set(expected) - set(objects))[:5]}, "
+        f"extra {sorted(set(objects) - set(expected))[:5]}"
+    )
+    for key, body in objects.items():
+        record = json.loads(body)
+        cid = expected[key]
+        assert record["custom_id"] == cid
+        assert record["batch_id"] == BATCH
+        if cid in errors:
+            assert record["response"] is None
+            assert record["error"]["code"] == errors[cid], record["error"]
+        else:
+            assert record["error"] is None, record["error"]
+            assert record["response"]["status_code"] == 200
+            choice = record["response"]["body"]["choices"][0]
+            assert choice["message"]["role"] == "assistant"
+
+
+def _kafka_committed(broker: str, group: str, topic: str, partitions: int) -> dict[int, int]:
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    async def get() -> dict[int, int]:
+        consumer = AIOKafkaConsumer(bootstrap_servers=broker, group_id=group)
+        await consumer.start()
+        try:
+            return {
+                p: (await consumer.committed(TopicPartition(topic, p))) or 0
+                for p in range(partitions)
+            }
+        finally:
+            await consumer.stop()
+
+    return asyncio.run(get())
+
+
+def _kafka_dlq(broker: str, topic: str, expected: int) -> list[Any]:
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    async def read() -> list[Any]:
+        # Assigned partitions, no group: no join round (tansu takes ~2 s per join).
+        consumer = AIOKafkaConsumer(bootstrap_servers=broker, auto_offset_reset="earliest")
+        await consumer.start()
+        records: list[Any] = []
+        try:
+            await consumer.topics()  # refreshes metadata for every topic
+            parts = consumer.partitions_for_topic(f"{topic}.dlq") or set()
+            consumer.assign([TopicPartition(f"{topic}.dlq", p) for p in parts])
+            deadline = time.monotonic() + 10
+            while len(records) < expected and time.monotonic() < deadline:
+                for batch in (await consumer.getmany(timeout_ms=300)).values():
+                    records += batch
+        finally:
+            await consumer.stop()
+        return records
+
+    return asyncio.run(read())
+
+
+def _queue_counts(endpoint: str, url: str) -> tuple[int, int]:
+    attrs = boto_client("sqs", endpoint).get_queue_attributes(
+        QueueUrl=url,
+        AttributeNames=["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"],
+    )["Attributes"]
+    return (
+        int(attrs["ApproximateNumberOfMessages"]),
+        int(attrs["ApproximateNumberOfMessagesNotVisible"]),
+    )
+
+
+def _wait_for_results(endpoint: str, bucket: str, at_least: int, timeout: float = 30) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        n = _count(endpoint, bucket)
+        if n >= at_least:
+            return n
+        time.sleep(0.05)
+    raise AssertionError(f"fewer than {at_least} results after {timeout}s")
+
+
+def _malformed() -> tuple[list[bytes], dict[str, str], int]:
+    """Malformed jobs: (lines, custom_id -> expected error code, number of dead letters)."""
+    unknown_url = _job(900)
+    unknown_url["url"] = "/v1/embeddings"
+    wrong_type = _job(901)
+    wrong_type["body"]["max_tokens"] = "many"
+    bad_param = _job(902)
+    bad_param["body"]["temperature"] = -1
+    too_long = _job(903, content="x" * 5000)  # the echo engine's max_model_len is 4096
+    oversized = _job(904, content="y" * 30_000)  # over QWORKER_MAX_JOB_BYTES below
+    lines = [
+        b"this is not json",
+        b"[1, 2, 3]",
+        *(
+            json.dumps(j).encode()
+            for j in (unknown_url, wrong_type, bad_param, too_long, oversized)
+        ),
+    ]
+    errors = {
+        "job-900": "invalid_request",
+        "job-901": "invalid_request",
+        "job-902": "invalid_request",
+        "job-903": "context_length_exceeded",
+        "job-904": "invalid_request",
+    }
+    return lines, errors, 2
+
+
+def test_kafka_to_s3_one_result_per_job_and_malformed_ones_recorded_or_dead_lettered(
+    tmp_path: Path,
+    kafka_broker: str,
+    kafka_topic: Callable[..., str],
+    s3_bucket: str,
+    moto_server: str,
+    aws_env: dict[str, str],
+) -> None:
+    topic = kafka_topic(3)
+    bad, errors, n_dead = _malformed()
+    good = _good_jobs(30)
+    lines = good[:10] + bad + good[10:]
+    jobs = _write_jobs(tmp_path / "requests.jsonl", lines)
+    env = _env(aws_env, QWORKER_MAX_JOB_BYTES="20000")
+    source = f"kafka://{kafka_broker}/{topic}?group=e2e"
+    sink = f"s3://{s3_bucket}/{PREFIX}"
+
+    done = _qworker("produce", "-i", str(jobs), "--to", source, "--batch-id", BATCH, env=env)
+    assert done.returncode == 0, done.stderr.decode()
+    with running(_run_cmd(source, sink), env, tmp_path / "worker.log") as proc:
+        assert proc.wait(timeout=90) == 0, (tmp_path / "worker.log").read_text()[-3000:]
+
+    ids = [f"job-{i:03d}" for i in range(30)] + list(errors)
+    _assert_one_valid_result_per_job(moto_server, s3_bucket, ids, errors)
+    committed = _kafka_committed(kafka_broker, "e2e", topic, 3)
+    assert sum(committed.values()) == len(lines)
+    dead = _kafka_dlq(kafka_broker, topic, n_dead)
+    assert sorted(r.value for r in dead) == sorted([b"this is not json", b"[1, 2, 3]"])
+    assert all(dict(r.headers).get("qworker-dlq-reason") for r in dead)
+
+    out = tmp_path / "results.jsonl"
+    errs = tmp_path / "errors.jsonl"
+    done = _qworker("collect", "--from", sink, "--batch-id", BATCH, "-o", str(out),
+                    "--errors", str(errs), env=env)
+    assert done.returncode == 0, done.stderr.decode()
+    assert len(out.read_text().splitlines()) == 30
+    assert len(errs.read_text().splitlines()) == len(errors)
+
+
+def test_sqs_to_s3_one_result_per_job_and_malformed_ones_recorded_or_dead_lettered(
+    tmp_path: Path,
+    sqs_queue: Callable[..., QueueInfo],
+    s3_bucket: str,
+    moto_server: str,
+    aws_env: dict[str, str],
+) -> None:
+    queue = sqs_queue(dlq=True, max_receive_count=5)
+    bad, errors, n_dead = _malformed()
+    good = _good_jobs(25)
+    jobs = _write_jobs(tmp_path / "requests.jsonl", good + bad)
+    env = _env(aws_env, QWORKER_MAX_JOB_BYTES="20000")
+    source = f"sqs://{queue.name}"
+    sink = f"s3://{s3_bucket}/{PREFIX}"
+
+    done = _qworker("produce", "-i", str(jobs), "--to", source, "--batch-id", BATCH, env=env)
+    assert done.returncode == 0, done.stderr.decode()
+    with running(_run_cmd(source, sink), env, tmp_path / "worker.log") as proc:
+        assert proc.wait(timeout=90) == 0, (tmp_path / "worker.log").read_text()[-3000:]
+
+    ids = [f"job-{i:03d}" for i in range(25)] + list(errors)
+    _assert_one_valid_result_per_job(moto_server, s3_bucket, ids, errors)
+    assert _queue_counts(moto_server, queue.url) == (0, 0)
+    assert queue.dlq_url is not None
+    assert _queue_counts(moto_server, queue.dlq_url) == (n_dead, 0)
+
+
+def test_kafka_worker_killed_mid_batch_and_restarted_leaves_no_job_missing(
+    tmp_path: Path,
+    kafka_broker: str,
+    kafka_topic: Callable[..., str],
+    s3_bucket: str,
+    moto_server: str,
+    aws_env: dict[str, str],
+) -> None:
+    topic = kafka_topic(2)
+    n = 60
+    jobs = _write_jobs(tmp_path / "requests.jsonl", _good_jobs(n))
+    # 4 jobs at a time, ~0.15 s each: the batch takes a few seconds.
+    slow = _env(aws_env, QWORKER_MODEL="echo://?delay_ms=30&steps=5", QWORKER_MAX_INFLIGHT_JOBS="4")
+    source = f"kafka://{kafka_broker}/{topic}?group=killed"
+    sink = f"s3://{s3_bucket}/{PREFIX}"
+    done = _qworker("produce", "-i", str(jobs), "--to", source, "--batch-id", BATCH, env=slow)
+    assert done.returncode == 0, done.stderr.decode()
+
+    with running(_run_cmd(source, sink, until_idle=30), slow, tmp_path / "first.log") as proc:
+        _wait_for_results(moto_server, s3_bucket, at_least=8)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    written_before = _count(moto_server, s3_bucket)
+    assert written_before < n, "the worker finished everything before it was killed"
+
+    fast = _env(aws_env)
+    with running(_run_cmd(source, sink), fast, tmp_path / "second.log") as proc:
+        assert proc.wait(timeout=90) == 0, (tmp_path / "second.log").read_text()[-3000:]
+    _assert_one_valid_result_per_job(moto_server, s3_bucket, [f"job-{i:03d}" for i in range(n)])
+    assert sum(_kafka_committed(kafka_broker, "killed", topic, 2).values()) == n
+
+
+def test_kafka_sigterm_drain_commits_only_finished_work_and_the_rest_is_redelivered(
+    tmp_path: Path,
+    kafka_broker: str,
+    kafka_topic: Callable[..., str],
+    s3_bucket: str,
+    moto_server: str,
+    aws_env: dict[str, str],
+) -> None:
+    topic = kafka_topic(1)  # one partition: offset i is job i
+    n = 40
+    jobs = _write_jobs(tmp_path / "requests.jsonl", _good_jobs(n))
+    # Each job needs ~1 s; the drain grants 0.3 s, so jobs in flight at SIGTERM are abandoned.
+    slow = _env(
+        aws_env, QWORKER_MODEL="echo://?delay_ms=50&steps=20", QWORKER_MAX_INFLIGHT_JOBS="4",
+        QWORKER_DRAIN_SECONDS="0.3",
+    )
+    source = f"kafka://{kafka_broker}/{topic}?group=drained"
+    sink = f"s3://{s3_bucket}/{PREFIX}"
+    done = _qworker("produce", "-i", str(jobs), "--to", source, "--batch-id", BATCH, env=slow)
+    assert done.returncode == 0, done.stderr.decode()
+
+    with running(_run_cmd(source, sink, until_idle=30), slow, tmp_path / "first.log") as proc:
+        _wait_for_results(moto_server, s3_bucket, at_least=4)
+        time.sleep(0.5)  # the next group of jobs is half done
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0, (tmp_path / "first.log").read_text()[-3000:]
+        drain_wall = time.monotonic() - started
+    assert drain_wall < 10
+
+    committed = _kafka_committed(kafka_broker, "drained", topic, 1)[0]
+    stored = {k for k in _objects(moto_server, s3_bucket)}
+    assert 0 < committed < n
+    for offset in range(committed):  # nothing below the commit lacks its result
+        assert result_key(PREFIX, BATCH, f"job-{offset:03d}") in stored, offset
+    assert len(stored) < n, "every job finished before the drain: nothing was redelivered"
+
+    with running(_run_cmd(source, sink), _env(aws_env), tmp_path / "second.log") as proc:
+        assert proc.wait(timeout=90) == 0, (tmp_path / "second.log").read_text()[-3000:]
+    _assert_one_valid_result_per_job(moto_server, s3_bucket, [f"job-{i:03d}" for i in range(n)])
+    assert _kafka_committed(kafka_broker, "drained", topic, 1)[0] == n
+
+
+def test_sqs_sigterm_drain_makes_unfinished_jobs_visible_again_at_once(
+    tmp_path: Path,
+    sqs_queue: Callable[..., QueueInfo],
+    s3_bucket: str,
+    moto_server: str,
+    aws_env: dict[str, str],
+) -> None:
+    queue = sqs_queue(visibility=300)  # an unreleased job would stay hidden for 5 minutes
+    n = 30
+    jobs = _write_jobs(tmp_path / "requests.jsonl", _good_jobs(n))
+    slow = _env(
+        aws_env, QWORKER_MODEL="echo://?delay_ms=50&steps=20", QWORKER_MAX_INFLIGHT_JOBS="4",
+        QWORKER_DRAIN_SECONDS="0.3", QWORKER_SQS_VISIBILITY_TIMEOUT="300",
+    )
+    source = f"sqs://{queue.url}"
+    sink = f"s3://{s3_bucket}/{PREFIX}"
+    done = _qworker("produce", "-i", str(jobs), "--to", source, "--batch-id", BATCH, env=slow)
+    assert done.returncode == 0, done.stderr.decode()
+
+    with running(_run_cmd(source, sink, until_idle=30), slow, tmp_path / "first.log") as proc:
+        _wait_for_results(moto_server, s3_bucket, at_least=4)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0, (tmp_path / "first.log").read_text()[-3000:]
+    stored = _count(moto_server, s3_bucket)
+    visible, hidden = _queue_counts(moto_server, queue.url)
+    assert hidden == 0, "a drained worker left jobs invisible"
+    assert visible == n - stored
+
+    with running(_run_cmd(source, sink), _env(aws_env), tmp_path / "second.log") as proc:
+        assert proc.wait(timeout=90) == 0, (tmp_path / "second.log").read_text()[-3000:]
+    _assert_one_valid_result_per_job(moto_server, s3_bucket, [f"job-{i:03d}" for i in range(n)])
+    assert _queue_counts(moto_server, queue.url) == (0, 0)
