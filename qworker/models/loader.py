@@ -98,7 +98,7 @@ def load_model(
     if gguf is not None:
         from qworker.models.gguf import load_gguf_config, load_gguf_tensors
 
-        config = load_gguf_config(gguf)
+        config, raw_config = load_gguf_config(gguf)
         architecture = resolve_architecture(
             {
                 "architectures": getattr(config, "architectures", None),
@@ -106,7 +106,7 @@ def load_model(
             }
         )
         model = _build(architecture, config, dtype, device)
-        model.load_weights(load_gguf_tensors(gguf, config, dtype))
+        model.load_weights(load_gguf_tensors(gguf, config, raw_config, dtype))
         source = gguf.parent
         gguf_name: str | None = gguf.name
     else:

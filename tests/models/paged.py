@@ -7,6 +7,9 @@ and returns the logits of every token it ran.
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import torch
 
 from qworker.attention.backend import AttentionMetadata, KVCache
@@ -97,3 +100,58 @@ class PagedRunner:
         )
         logits = self.model.compute_logits(hidden)
         return {seq: logits[starts[i] : starts[i + 1]] for i, seq in enumerate(order)}
+
+
+def hf_reference(model_dir: Path, gguf_file: str | None = None) -> Any:
+    """The transformers model for ``model_dir`` in fp32 (see ``load_hf_reference``)."""
+    from tests.fixtures.models import load_hf_reference
+
+    return load_hf_reference(model_dir, gguf_file)
+
+
+def paged_vs_hf_max_diff(
+    model: CausalLM,
+    hf_model: Any,
+    prompts: list[list[int]],
+    *,
+    block_size: int = 8,
+    decode_steps: int = 4,
+    prefill_chunk: int | None = None,
+    sliding_window: int | None = None,
+) -> float:
+    """Prefill ``prompts`` together (in chunks of ``prefill_chunk`` tokens if given), then
+    decode ``decode_steps`` greedy tokens for all of them in batched steps; return the
+    largest absolute difference between the paged logits and transformers' logits of
+    each full sequence run in one forward.
+    """
+    runner = PagedRunner(
+        model, block_size=block_size, num_blocks=256, sliding_window=sliding_window
+    )
+    seqs = {i: list(p) for i, p in enumerate(prompts)}
+    logits: dict[int, list[torch.Tensor]] = {i: [] for i in seqs}
+    chunk = prefill_chunk or max(len(p) for p in prompts)
+    done = dict.fromkeys(seqs, 0)
+    while any(done[i] < len(prompts[i]) for i in seqs):
+        step = {i: prompts[i][done[i] : done[i] + chunk] for i in seqs if done[i] < len(prompts[i])}
+        for i, out in runner.step(step).items():
+            logits[i].append(out)
+            done[i] += len(step[i])
+    for _ in range(decode_steps):
+        step = {i: [int(logits[i][-1][-1].argmax())] for i in seqs}
+        for i, tok in step.items():
+            seqs[i] += tok
+        for i, out in runner.step(step).items():
+            logits[i].append(out)
+    worst = 0.0
+    with torch.inference_mode():
+        for i, seq in seqs.items():
+            ours = torch.cat(logits[i])
+            ref = hf_model(torch.tensor([seq])).logits[0].float()
+            worst = max(worst, float((ours - ref).abs().max()))
+    return worst
+
+
+def random_prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
+    """Seeded random token-id prompts of the given lengths (ids 3.. to avoid bos/eos/pad)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]

@@ -1,0 +1,35 @@
+"""The SmolLM2 GGUF through the paged path vs transformers' own GGUF loading."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from qworker.models.loader import load_model, load_tokenizer
+from tests.models.paged import hf_reference, paged_vs_hf_max_diff
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm2_gguf(smollm2_dir: Path) -> Path:
+    return next(smollm2_dir.glob("*.gguf"))
+
+
+def test_smollm2_gguf_logits_match_transformers(smollm2_gguf: Path) -> None:
+    loaded = load_model(smollm2_gguf.parent, torch.float32, "cpu")
+    assert loaded.spec.architecture == "LlamaForCausalLM"
+    assert loaded.spec.vocab_size == 49152
+    assert loaded.gguf_file == smollm2_gguf.name
+    assert loaded.spec.eos_token_ids == [2]
+    tokenizer = load_tokenizer(loaded.source / smollm2_gguf.name)
+    assert tokenizer is not None
+    prompts = [
+        tokenizer.encode("The capital of France is"),
+        tokenizer.encode("def fibonacci(n):\n    "),
+    ]
+    reference = hf_reference(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+    diff = paged_vs_hf_max_diff(loaded.model, reference, prompts, block_size=16, decode_steps=3)
+    assert diff < 1e-3
