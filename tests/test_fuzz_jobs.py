@@ -29,7 +29,7 @@ from qworker.schema import (  # noqa: E402
     success_record,
 )
 
-FUZZ = settings(max_examples=300, deadline=None,
+FUZZ = settings(max_examples=120, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 HOSTILE_IDS = ["../../etc/passwd", "..", ".", "%2e%2e", "%2E%2E/x", "a/../../b", "/abs",
