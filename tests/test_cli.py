@@ -1,0 +1,206 @@
+"""The ``qworker`` command line: generate, produce / collect over file://, cost, help."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("orjson")
+pytest.importorskip("pydantic_settings")
+
+from qworker.cli import main
+from tests.worker.jobs import chat_job, completion_job, write_spool
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def test_generate_with_echo_keeps_input_order_and_reports_errors_inline(
+    tmp_path: Path, capsys
+) -> None:
+    write_spool(
+        tmp_path / "in.jsonl",
+        [
+            completion_job("a", "alpha"),
+            "not json",
+            "",
+            chat_job("b", temperature=-1),
+            completion_job("c", "gamma"),
+        ],
+    )
+    code = main(
+        [
+            "generate",
+            "-i",
+            str(tmp_path / "in.jsonl"),
+            "-o",
+            str(tmp_path / "out.jsonl"),
+            "--model",
+            "echo://",
+            "--window",
+            "2",
+        ]
+    )
+    assert code == 0
+    out = _lines(tmp_path / "out.jsonl")
+    assert [r["custom_id"] for r in out] == ["a", None, "b", "c"]
+    assert out[0]["response"]["body"]["choices"][0]["text"] == "alpha"
+    assert out[1]["error"]["code"] == "invalid_request"
+    assert out[1]["error"]["message"].startswith("line 2: not valid JSON")
+    assert out[2]["error"]["message"] == "body.temperature must be a finite number >= 0, got -1"
+    err = capsys.readouterr().err
+    assert "generate: 4/4 done (2 ok, 2 errors)" in err
+
+
+def test_generate_with_a_tiny_model_as_a_process(tmp_path: Path, tiny_chat_model_dir: Path) -> None:
+    write_spool(
+        tmp_path / "in.jsonl",
+        [
+            chat_job("q1", "What is 2+2?", max_tokens=3),
+            {"custom_id": "bad", "url": "/v1/chat/completions", "body": {"messages": []}},
+            completion_job("q2", "The sky is", max_tokens=2, n=2, temperature=0.7, seed=1),
+        ],
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "qworker",
+            "generate",
+            "-i",
+            "in.jsonl",
+            "-o",
+            "out.jsonl",
+            "--model",
+            str(tiny_chat_model_dir),
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+            "--num-kv-blocks",
+            "32",
+            "--max-model-len",
+            "128",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = _lines(tmp_path / "out.jsonl")
+    assert [r["custom_id"] for r in out] == ["q1", "bad", "q2"]
+    assert out[0]["response"]["body"]["usage"]["completion_tokens"] == 3
+    assert out[1]["error"] == {
+        "code": "invalid_request",
+        "message": "body.messages must be a non-empty list, got an array []",
+    }
+    assert len(out[2]["response"]["body"]["choices"]) == 2
+    assert "generate: 3/3 done (2 ok, 1 errors)" in proc.stderr
+
+
+def test_produce_then_run_then_collect_over_files(tmp_path: Path) -> None:
+    write_spool(
+        tmp_path / "batch.jsonl",
+        [completion_job(f"j{i}", f"p{i}") for i in range(5)]
+        + [completion_job("bad", "x", temperature=9)],
+    )
+    spool = f"file://{tmp_path}/spool.jsonl"
+    assert (
+        main(
+            ["produce", "-i", str(tmp_path / "batch.jsonl"), "--to", spool, "--batch-id", "nightly"]
+        )
+        == 0
+    )
+    sent = _lines(tmp_path / "spool.jsonl")
+    assert len(sent) == 6 and {r["batch_id"] for r in sent} == {"nightly"}
+    assert (
+        main(
+            [
+                "run",
+                "--source",
+                spool,
+                "--sink",
+                f"file://{tmp_path}/out",
+                "--model",
+                "echo://",
+                "--until-idle",
+                "0.3",
+                "--metrics-port",
+                "0",
+                "--spot-metadata-url",
+                "",
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "collect",
+                "--from",
+                f"file://{tmp_path}/out",
+                "--batch-id",
+                "nightly",
+                "-o",
+                str(tmp_path / "results.jsonl"),
+                "--errors",
+                str(tmp_path / "errors.jsonl"),
+            ]
+        )
+        == 0
+    )
+    results = _lines(tmp_path / "results.jsonl")
+    errors = _lines(tmp_path / "errors.jsonl")
+    assert sorted(r["custom_id"] for r in results) == [f"j{i}" for i in range(5)]
+    assert [e["custom_id"] for e in errors] == ["bad"]
+    assert errors[0]["error"]["code"] == "invalid_request"
+
+
+def test_bad_settings_exit_2_with_a_clear_message(capsys) -> None:
+    assert main(["run", "--source", "ftp://x/y"]) == 2
+    err = capsys.readouterr().err
+    assert "source (--source / QWORKER_SOURCE): source 'ftp://x/y' must be kafka://" in err
+
+
+def test_missing_source_file_exits_2(tmp_path: Path, capsys) -> None:
+    code = main(
+        [
+            "run",
+            "--source",
+            f"file://{tmp_path}/nope.jsonl",
+            "--model",
+            "echo://",
+            "--sink",
+            f"file://{tmp_path}/out",
+            "--metrics-port",
+            "0",
+            "--spot-metadata-url",
+            "",
+        ]
+    )
+    assert code == 2
+    assert "nope.jsonl does not exist" in capsys.readouterr().err
+
+
+def test_python_dash_m_qworker_shows_help() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "qworker", "run", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0
+    assert "--until-idle" in proc.stdout and "QWORKER_DRAIN_SECONDS" in proc.stdout
+    gen = subprocess.run(
+        [sys.executable, "-m", "qworker", "generate", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "IN INPUT ORDER" in gen.stdout
