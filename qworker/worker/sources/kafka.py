@@ -234,7 +234,11 @@ class KafkaSource(Source):
         if part is None:
             return
         handle: KafkaHandle = msg.handle
-        if part.inflight.pop(handle.offset, None) is not None and not self._closed:
+        if part.inflight.pop(handle.offset, None) is None or self._closed:
+            return
+        if handle.tp in self._parked:
+            part.parked.append(msg)  # handed out again if the partition comes back
+        else:
             self._buffer.appendleft(msg)
             self._ready.set()
 
@@ -264,6 +268,10 @@ class KafkaSource(Source):
     def uncommitted_offsets(self) -> int:
         """Offsets fetched past the last commit, over all owned partitions."""
         return sum(p.watermark.uncommitted for p in self._parts.values())
+
+    def uncommitted_count(self) -> int:
+        """``qworker_uncommitted_offsets``: offsets fetched past the last commit."""
+        return self.uncommitted_offsets
 
     @property
     def paused(self) -> bool:

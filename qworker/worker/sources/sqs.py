@@ -97,6 +97,8 @@ class SqsSource(Source):
         #: Visibility extensions sent so far (for tests and metrics).
         self.heartbeats = 0
         self._fifo = queue.endswith(".fifo")
+        # Keyed by receipt handle: a message redelivered to us (an expired visibility)
+        # is a second, separate delivery with its own handle.
         self._inflight: dict[str, Message] = {}
         self._buffer: deque[Message] = deque()
         self._ready = asyncio.Event()
@@ -233,7 +235,7 @@ class SqsSource(Source):
                 handle=SqsHandle(raw["ReceiptHandle"], count),
                 received_at=now,
             )
-            self._inflight[msg.message_id] = msg
+            self._inflight[msg.handle.receipt_handle] = msg
             self._buffer.append(msg)
 
     def _release_sync(self, raws: list[dict[str, Any]]) -> None:
@@ -251,7 +253,7 @@ class SqsSource(Source):
 
     async def ack(self, msg: Message) -> None:
         """Delete ``msg`` (its result is in the sink). A stale receipt is logged, not raised."""
-        self._inflight.pop(msg.message_id, None)
+        self._inflight.pop(msg.handle.receipt_handle, None)
         handle: SqsHandle = msg.handle
         try:
             await self._call(
@@ -263,7 +265,7 @@ class SqsSource(Source):
 
     async def abandon(self, msg: Message) -> None:
         """Make ``msg`` visible again at once (visibility 0): redelivered, never deleted."""
-        self._inflight.pop(msg.message_id, None)
+        self._inflight.pop(msg.handle.receipt_handle, None)
         handle: SqsHandle = msg.handle
         try:
             await self._call(
@@ -330,6 +332,10 @@ class SqsSource(Source):
     @property
     def inflight(self) -> int:
         """Messages received and neither acked, abandoned nor dead-lettered."""
+        return len(self._inflight)
+
+    def uncommitted_count(self) -> int:
+        """``qworker_uncommitted_offsets``: messages received and not yet deleted."""
         return len(self._inflight)
 
     async def extend_visibility(self) -> None:

@@ -221,3 +221,51 @@ def test_two_consumers_in_one_group_lose_nothing_across_a_rebalance(
         assert sum(v or 0 for v in committed.values()) == total
 
     asyncio.run(go())
+
+
+def test_uncommitted_count_falls_to_zero_once_finished_work_is_committed(
+    kafka_broker: str, kafka_topic: Callable[..., str]
+) -> None:
+    topic = kafka_topic(1)
+
+    async def go() -> None:
+        await _produce(kafka_broker, topic, 5)
+        source = _source(kafka_broker, topic, "g-count", commit_interval=60)
+        await source.start()
+        msgs = await _receive_n(source, 5)
+        assert source.uncommitted_count() == 5
+        for m in msgs[:3]:
+            await source.ack(m)
+        await source.commit()
+        assert source.uncommitted_count() == 2
+        for m in msgs[3:]:
+            await source.ack(m)
+        await source.commit()
+        assert source.uncommitted_count() == 0
+        await source.close()
+
+    asyncio.run(go())
+
+
+def test_abandoned_message_is_handed_out_again_and_holds_the_commit_back(
+    kafka_broker: str, kafka_topic: Callable[..., str]
+) -> None:
+    topic = kafka_topic(1)
+
+    async def go() -> None:
+        await _produce(kafka_broker, topic, 3)
+        source = _source(kafka_broker, topic, "g-abandon")
+        await source.start()
+        msgs = await _receive_n(source, 3)
+        await source.abandon(msgs[1])
+        await source.ack(msgs[0])
+        await source.ack(msgs[2])
+        await source.commit()
+        assert (await _committed(kafka_broker, "g-abandon", topic, 1))[0] == 1
+        [again] = await _receive_n(source, 1)
+        assert again.message_id == msgs[1].message_id
+        await source.ack(again)
+        await source.close()
+        assert (await _committed(kafka_broker, "g-abandon", topic, 1))[0] == 3
+
+    asyncio.run(go())
