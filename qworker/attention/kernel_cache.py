@@ -148,3 +148,26 @@ class KernelCache:
 
 #: The process-wide cache every backend instance shares.
 KERNELS = KernelCache()
+
+
+def _compile_group(group: list[tuple[str, str]]) -> int:
+    for source_name, name in group:
+        KERNELS.get(source_name, name, torch.device("cuda", 0))
+    return len(group)
+
+
+def precompile(names: list[tuple[str, str]], workers: int = 8) -> float:
+    """Compile ``(source, name expression)`` pairs in ``workers`` processes (GPU 0), filling
+    cupy's on-disk kernel cache so later processes load cubins instead of running NVRTC.
+
+    Returns the seconds it took. Needs a CUDA device (NVRTC targets its architecture).
+    """
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    started = time.perf_counter()
+    groups = [names[i::workers] for i in range(workers) if names[i::workers]]
+    context = multiprocessing.get_context("spawn")  # CUDA does not survive fork
+    with ProcessPoolExecutor(max_workers=len(groups), mp_context=context) as pool:
+        sum(pool.map(_compile_group, groups))
+    return time.perf_counter() - started

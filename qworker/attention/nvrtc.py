@@ -13,6 +13,9 @@ from dataclasses import dataclass
 
 from qworker.attention.cuda_kernels import NVRTC_OPTIONS
 
+#: What ``cupy.RawModule`` adds to the caller's options before calling NVRTC (cupy 13/14).
+CUPY_ADDED_OPTIONS: tuple[str, ...] = ("-ftz=true", "--device-as-default-execution-space")
+
 _ENTRY = re.compile(r"Compiling entry function '([^']+)'")
 _FRAME = re.compile(
     r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads"
@@ -82,7 +85,7 @@ def compile_only(
     """
     from cupy.cuda import nvrtc
 
-    options = (*NVRTC_OPTIONS, f"-arch={arch}", "--ptxas-options=-v")
+    options = (*NVRTC_OPTIONS, *CUPY_ADDED_OPTIONS, f"-arch={arch}", "--ptxas-options=-v")
     prog = nvrtc.createProgram(code, filename, (), ())
     try:
         for name in name_expressions:

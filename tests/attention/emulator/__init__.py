@@ -49,10 +49,23 @@ def build(decode_instances: list[tuple[int, int, int]]) -> ctypes.CDLL:
         (out_dir / "emu_instances.inc").write_text(inc)
         tmp = out_dir / f"libqwemu.{id(inc)}.so"
         cmd = [
-            compiler() or "g++", "-std=c++20", "-O1", "-g0", "-shared", "-fPIC", "-pthread",
-            "-Wno-unknown-pragmas", "-x", "c++", str(HERE / "emu_kernels.cpp"),
-            f"-I{HERE}", f"-I{CUDA_DIR}", f"-I{out_dir}", "-o", str(tmp),
-        ]  # fmt: skip
+            compiler() or "g++",
+            "-std=c++20",
+            "-O1",
+            "-g0",
+            "-shared",
+            "-fPIC",
+            "-pthread",
+            "-Wno-unknown-pragmas",
+            "-x",
+            "c++",
+            str(HERE / "emu_kernels.cpp"),
+            f"-I{HERE}",
+            f"-I{CUDA_DIR}",
+            f"-I{out_dir}",
+            "-o",
+            str(tmp),
+        ]
         subprocess.run(cmd, check=True, capture_output=True, text=True)
         tmp.replace(lib)
     dll = ctypes.CDLL(str(lib))
@@ -91,9 +104,15 @@ class EmulatedKernels:
         sizes = (ctypes.c_int * n)(*[b.itemsize for b in boxes])
         rc = self._lib.qw_emu_run(
             str(kernel).encode(),
-            ctypes.c_uint(grid[0]), ctypes.c_uint(grid[1]), ctypes.c_uint(grid[2]),
-            ctypes.c_uint(block[0]), ctypes.c_ulonglong(shared_mem), ctypes.c_int(n), ptrs, sizes,
-        )  # fmt: skip
+            ctypes.c_uint(grid[0]),
+            ctypes.c_uint(grid[1]),
+            ctypes.c_uint(grid[2]),
+            ctypes.c_uint(block[0]),
+            ctypes.c_ulonglong(shared_mem),
+            ctypes.c_int(n),
+            ptrs,
+            sizes,
+        )
         if rc != 0:
             raise RuntimeError(f"emulated launch of {kernel} failed ({rc})")
         self.launches.append(str(kernel))

@@ -1,0 +1,210 @@
+"""Fixed-length throughput: Llama-3.1-8B shape, bf16, random weights, 1000 in / 1000 out.
+
+Comparable with published figures for the same workload (TensorRT-LLM: 17.7k output tok/s on
+one H200 in FP8; vLLM: about 6k on an H100 in bf16 at 256/256). The model directory is
+written once with random weights (generated on the GPU, saved as safetensors shards; no
+tokenizer: prompts are token ids) unless ``--model`` already holds one. Requests are queued
+(more than fit at once, so the batch stays full) and the engine steps until ``--seconds``
+have passed or all finish. Reported: output tokens/s (every generated token over the
+elapsed time), requests/s (finished requests over the elapsed time), and the counts.
+
+``--make-model DIR`` only writes the model (gpu_check.sh shares it with bench_engine.py);
+``--dry-run`` uses a tiny model on the CPU to prove the plumbing. Never asserts on speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from qworker.engine.config import EngineConfig
+from qworker.engine.engine import Engine
+from qworker.engine.sampling_params import SamplingParams
+
+LLAMA_31_8B: dict[str, Any] = {
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 8192,
+    "rope_theta": 500000.0,
+    "rms_norm_eps": 1e-5,
+}
+TINY: dict[str, Any] = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-5,
+}
+
+
+def llama_tensors(shape: dict[str, Any], layer: int | None) -> dict[str, tuple[int, ...]]:
+    """transformers' Llama tensor names and shapes: one layer's, or the non-layer ones."""
+    h, i, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
+    d = h // shape["num_attention_heads"]
+    kv = shape["num_key_value_heads"] * d
+    if layer is None:
+        return {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,),
+                "lm_head.weight": (v, h)}  # fmt: skip
+    p = f"model.layers.{layer}."
+    return {
+        p + "self_attn.q_proj.weight": (h, h),
+        p + "self_attn.k_proj.weight": (kv, h),
+        p + "self_attn.v_proj.weight": (kv, h),
+        p + "self_attn.o_proj.weight": (h, h),
+        p + "mlp.gate_proj.weight": (i, h),
+        p + "mlp.up_proj.weight": (i, h),
+        p + "mlp.down_proj.weight": (h, i),
+        p + "input_layernorm.weight": (h,),
+        p + "post_attention_layernorm.weight": (h,),
+    }
+
+
+def make_model(folder: Path, shape: dict[str, Any], dtype: torch.dtype, seed: int = 0) -> Path:
+    """Write config.json and random safetensors shards (one per 4 layers) into ``folder``."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config = LlamaConfig(**shape, tie_word_embeddings=False, torch_dtype=str(dtype).split(".")[1])
+    config.architectures = ["LlamaForCausalLM"]
+    config.save_pretrained(str(folder))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=device).manual_seed(seed)
+    groups: list[list[int | None]] = [[None]]
+    layers = list(range(shape["num_hidden_layers"]))
+    groups += [list(layers[k : k + 4]) for k in range(0, len(layers), 4)]
+    for n, group in enumerate(groups):
+        shard: dict[str, torch.Tensor] = {}
+        for layer in group:
+            for name, dims in llama_tensors(shape, layer).items():
+                if len(dims) == 1:
+                    t = torch.ones(dims, dtype=dtype, device=device)
+                else:
+                    t = torch.randn(dims, generator=gen, device=device).mul_(0.02).to(dtype)
+                shard[name] = t.cpu()
+        save_file(shard, str(folder / f"model-{n:05d}-of-{len(groups):05d}.safetensors"))
+    return folder
+
+
+def run(
+    engine: Engine, prompts: list[list[int]], output_len: int, seconds: float
+) -> dict[str, Any]:
+    """Queue every prompt, step until done or ``seconds`` passed; count what came out."""
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    before = engine.stats()["generation_tokens"]
+    start = time.perf_counter()
+    for n, prompt in enumerate(prompts):
+        engine.add_request(f"r{n}", prompt, params)
+    finished = steps = 0
+    while engine.has_unfinished():
+        finished += len(engine.step())
+        steps += 1
+        if time.perf_counter() - start > seconds:
+            break
+    elapsed = time.perf_counter() - start
+    generated = engine.stats()["generation_tokens"] - before
+    return {
+        "requests_queued": len(prompts),
+        "requests_finished": finished,
+        "generated_tokens": generated,
+        "steps": steps,
+        "elapsed_s": elapsed,
+        "output_tok_per_s": generated / elapsed,
+        "req_per_s": finished / elapsed,
+        "finished_output_tok_per_s": finished * output_len / elapsed,
+    }
+
+
+def main() -> None:
+    """Build or reuse the model, run the fixed-length workload, print table and JSON."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, help="model dir (written there if absent)")
+    parser.add_argument("--make-model", type=Path, help="only write the model into this dir")
+    parser.add_argument("--dry-run", action="store_true", help="tiny model on the CPU")
+    parser.add_argument("--seconds", type=float, default=90.0)
+    parser.add_argument("--input-len", type=int, default=1000)
+    parser.add_argument("--output-len", type=int, default=1000)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--waves", type=int, default=4, help="queued requests = waves x seqs")
+    parser.add_argument("--out", type=Path, help="write the JSON report here too")
+    args = parser.parse_args()
+
+    shape, dtype = (TINY, torch.float32) if args.dry_run else (LLAMA_31_8B, torch.bfloat16)
+    if args.make_model is not None:
+        if not (args.make_model / "config.json").exists():
+            make_model(args.make_model, shape, dtype)
+        print(f"model written to {args.make_model}")
+        return
+    if args.dry_run:
+        args.input_len, args.output_len = min(args.input_len, 16), min(args.output_len, 16)
+        args.max_num_seqs, args.seconds = min(args.max_num_seqs, 4), min(args.seconds, 20.0)
+    folder = args.model or Path(tempfile.mkdtemp(prefix="qworker_llama8b_"))
+    t0 = time.perf_counter()
+    if not (folder / "config.json").exists():
+        make_model(folder, shape, dtype)
+    made = time.perf_counter() - t0
+    device = "cpu" if args.dry_run else "cuda"
+    config = EngineConfig(
+        model=str(folder),
+        dtype="float32" if args.dry_run else "bfloat16",
+        device=device,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.input_len + args.output_len + 16,
+        enable_prefix_caching=False,
+        kv_cache_memory=(256 << 20) if args.dry_run else None,
+    )
+    t0 = time.perf_counter()
+    engine = Engine(config)
+    loaded = time.perf_counter() - t0
+    rng = random.Random(0)
+    vocab = shape["vocab_size"]
+    run(engine, [[rng.randrange(vocab) for _ in range(16)]], 8, 60.0)  # warm-up: kernels, cuda init
+    prompts = [
+        [rng.randrange(vocab) for _ in range(args.input_len)]
+        for _ in range(args.waves * args.max_num_seqs)
+    ]
+    result = run(engine, prompts, args.output_len, args.seconds)
+    stats = engine.stats()
+    report = {
+        "workload": f"{args.input_len} in / {args.output_len} out, random token ids, greedy",
+        "model": "Llama-3.1-8B shape, random weights" if not args.dry_run else "tiny llama",
+        "dtype": config.dtype,
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "attention_backend": stats.get("attention_backend"),
+        "max_num_seqs": args.max_num_seqs,
+        "num_kv_blocks": stats.get("num_kv_blocks"),
+        "num_preemptions": stats.get("num_preemptions"),
+        "model_write_s": made,
+        "engine_load_s": loaded,
+        **result,
+    }
+    print(f"{'output tok/s':>12} {'req/s':>7} {'finished':>8} {'generated':>9} {'elapsed s':>9}")
+    print(f"{result['output_tok_per_s']:>12.0f} {result['req_per_s']:>7.2f} "
+          f"{result['requests_finished']:>8} {result['generated_tokens']:>9} "
+          f"{result['elapsed_s']:>9.1f}")  # fmt: skip
+    line = json.dumps(report)
+    print(line)
+    if args.out:
+        args.out.write_text(line + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,253 @@
+#!/usr/bin/env bash
+# The one-shot GPU check (issue 5): kernel tests, decode microbenchmark, end-to-end engine
+# benchmark and fixed-length throughput, each under its own time limit (about 8 minutes in
+# all on an H200); a stage that fails or times out is recorded and the next one still runs.
+#
+# Usage: scripts/gpu_check.sh [--dry-run]
+#   OUT                          results folder (default ./out)
+#   PYTHON                       interpreter (default python3: the GPU machine's own, no venv)
+#   --dry-run, or QWORKER_GPU_CHECK_DRY_RUN=1: every stage on the CPU at toy sizes (plumbing)
+#   QWORKER_GPU_CHECK_SKIP="engine fixed_len"  stages to skip (names as in the report)
+#   QWORKER_GPU_CHECK_MODEL_DIR  where the random Llama-3.1-8B-shaped model is written/reused
+#   QWORKER_BENCH_ENGINE_ARGS    extra arguments for scripts/bench_engine.py
+#   FIXED_SECONDS                measuring time of the fixed-length run (default 90)
+# Files under $OUT (flat, at most 8): report.json, report.md, gpu_check.log (every stage's
+# output), pytest.xml, kernels.json, engine.json, fixed_len.json.
+# Exit status: 0 when every stage passed, 1 otherwise (the report says which and why).
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+OUT=${OUT:-./out}
+PYTHON=${PYTHON:-python3}
+DRY=${QWORKER_GPU_CHECK_DRY_RUN:-0}
+SKIP=${QWORKER_GPU_CHECK_SKIP:-}
+for arg in "$@"; do
+  case "$arg" in
+    --dry-run) DRY=1 ;;
+    -h | --help)
+      sed -n '2,17p' "$0"
+      exit 0
+      ;;
+    *)
+      echo "unknown argument: $arg" >&2
+      exit 2
+      ;;
+  esac
+done
+
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+LOG="$OUT/gpu_check.log"
+STATUS="$WORK/stages"
+: >"$LOG"
+: >"$STATUS"
+export PYTHONUNBUFFERED=1
+export PYTHONDONTWRITEBYTECODE=1
+
+# Time limits per stage in seconds (sum about 475: the whole check fits in 8 minutes).
+T_INFO=${T_INFO:-15}
+T_PRECOMPILE=${T_PRECOMPILE:-45}
+T_PYTEST=${T_PYTEST:-110}
+T_KERNELS=${T_KERNELS:-60}
+T_MODEL=${T_MODEL:-60}
+T_ENGINE=${T_ENGINE:-55}
+T_FIXED=${T_FIXED:-130}
+FIXED_SECONDS=${FIXED_SECONDS:-90}
+
+DRY_FLAG=()
+if [[ "$DRY" == 1 ]]; then
+  DRY_FLAG=(--dry-run)
+  MODEL_DIR=${QWORKER_GPU_CHECK_MODEL_DIR:-$WORK/tiny_llama}
+  FIXED_SECONDS=10
+else
+  MODEL_DIR=${QWORKER_GPU_CHECK_MODEL_DIR:-/tmp/qworker_llama31_8b_random}
+fi
+
+log() { echo "$*" | tee -a "$LOG"; }
+
+# run_stage NAME LIMIT CMD...: run CMD under `timeout`, its output into the log; record
+# "NAME state rc seconds" (state ok | failed | timeout | skipped) and never abort the script.
+run_stage() {
+  local name=$1 limit=$2
+  shift 2
+  if [[ " $SKIP " == *" $name "* ]]; then
+    log "=== [$name] skipped (QWORKER_GPU_CHECK_SKIP)"
+    echo "$name skipped 0 0" >>"$STATUS"
+    return 0
+  fi
+  local start rc took state
+  start=$(date +%s)
+  log "=== [$name] limit ${limit}s: $*"
+  set +e
+  timeout --kill-after=15 "$limit" "$@" 2>&1 | tee -a "$LOG"
+  rc=${PIPESTATUS[0]}
+  set -e
+  took=$(($(date +%s) - start))
+  state=ok
+  if ((rc == 124 || rc == 137)); then
+    state=timeout
+  elif ((rc != 0)); then
+    state=failed
+  fi
+  log "=== [$name] $state rc=$rc ${took}s"
+  echo "$name $state $rc $took" >>"$STATUS"
+}
+
+read -r -d '' INFO_PY <<'EOF' || true
+import json, os, platform, sys
+info = {"python": sys.version.split()[0], "machine": platform.node()}
+import torch
+info["torch"] = torch.__version__
+info["cuda"] = torch.cuda.is_available()
+if info["cuda"]:
+    p = torch.cuda.get_device_properties(0)
+    info.update(gpu=p.name, sms=p.multi_processor_count, memory_gib=round(p.total_memory / 2**30, 1),
+                torch_cuda=torch.version.cuda)
+try:
+    import cupy
+    from cupy.cuda import nvrtc
+    info["cupy"] = cupy.__version__
+    info["nvrtc"] = ".".join(map(str, nvrtc.getVersion()))
+except Exception as exc:
+    info["cupy_error"] = repr(exc)
+for name in ("transformers", "safetensors", "triton"):
+    try:
+        info[name] = __import__(name).__version__
+    except Exception as exc:
+        info[name] = f"missing ({type(exc).__name__})"
+print(json.dumps(info))
+open(sys.argv[1], "w").write(json.dumps(info))
+EOF
+
+read -r -d '' PRECOMPILE_PY <<'EOF' || true
+import os, torch
+from qworker.attention.cuda_kernels import all_instantiations
+names = [(s, n) for s, ns in all_instantiations().items() for n in ns]
+if not torch.cuda.is_available():
+    print(f"no CUDA device: {len(names)} kernels left to compile on first use")
+else:
+    from qworker.attention.kernel_cache import precompile
+    took = precompile(names, workers=min(16, os.cpu_count() or 1))
+    print(f"compiled {len(names)} kernels into cupy's cache in {took:.1f}s")
+EOF
+
+# -- stages ----------------------------------------------------------------------------
+
+if [[ "$DRY" != 1 ]] && command -v nvidia-smi >/dev/null; then
+  nvidia-smi 2>&1 | tee -a "$LOG" || true
+fi
+run_stage info "$T_INFO" "$PYTHON" -c "$INFO_PY" "$WORK/info.json"
+run_stage precompile "$T_PRECOMPILE" "$PYTHON" -c "$PRECOMPILE_PY"
+# Test modules needing packages this machine lacks (worker: boto3, aiokafka, ...) fail to
+# import; --continue-on-collection-errors keeps the rest, and the report lists them.
+run_stage pytest "$T_PYTEST" "$PYTHON" -m pytest -m gpu tests/ -q -p no:cacheprovider \
+  --continue-on-collection-errors --junitxml="$OUT/pytest.xml"
+run_stage kernels "$T_KERNELS" "$PYTHON" scripts/bench_kernels.py \
+  --out "$OUT/kernels.json" ${DRY_FLAG[@]+"${DRY_FLAG[@]}"}
+run_stage model "$T_MODEL" "$PYTHON" scripts/bench_fixed_len.py \
+  --make-model "$MODEL_DIR" ${DRY_FLAG[@]+"${DRY_FLAG[@]}"}
+
+if [[ -f scripts/bench_engine.py ]]; then
+  engine_help=$("$PYTHON" scripts/bench_engine.py --help 2>&1 || true)
+  has_flag() { grep -q -- "$1" <<<"$engine_help"; }
+  engine_args=()
+  if [[ "$DRY" == 1 ]]; then
+    if has_flag --dry-run; then engine_args+=(--dry-run); else engine_args+=(--device cpu --dtype float32); fi
+  else
+    engine_args+=(--device cuda --dtype bfloat16)
+    if has_flag "--model "; then engine_args+=(--model "$MODEL_DIR"); fi
+  fi
+  if has_flag "--out "; then engine_args+=(--out "$OUT/engine.json"); fi
+  if [[ -n "${QWORKER_BENCH_ENGINE_ARGS:-}" ]]; then
+    read -r -a extra <<<"$QWORKER_BENCH_ENGINE_ARGS"
+    engine_args+=("${extra[@]}")
+  fi
+  run_stage engine "$T_ENGINE" "$PYTHON" scripts/bench_engine.py "${engine_args[@]}"
+else
+  log "=== [engine] missing: scripts/bench_engine.py is not in this tree"
+  echo "engine missing 0 0" >>"$STATUS"
+fi
+
+run_stage fixed_len "$T_FIXED" "$PYTHON" scripts/bench_fixed_len.py --model "$MODEL_DIR" \
+  --seconds "$FIXED_SECONDS" --out "$OUT/fixed_len.json" ${DRY_FLAG[@]+"${DRY_FLAG[@]}"}
+
+# -- report ----------------------------------------------------------------------------
+
+read -r -d '' REPORT_PY <<'EOF' || true
+import json, sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+out, work, dry = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "1"
+
+def load(path):
+    try:
+        text = path.read_text().strip().splitlines()
+        return json.loads(text[-1]) if text else None
+    except (OSError, ValueError):
+        return None
+
+stages = []
+for line in (work / "stages").read_text().splitlines():
+    name, state, rc, took = line.split()
+    stages.append({"stage": name, "state": state, "rc": int(rc), "seconds": int(took)})
+report = {"dry_run": dry, "stages": stages, "info": load(work / "info.json")}
+try:
+    root = ET.parse(out / "pytest.xml").getroot()
+    suites = [root] if root.tag == "testsuite" else list(root)
+    counts = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    failed, collect = [], []
+    for case in root.iter("testcase"):
+        for tag in ("failure", "error"):
+            node = case.find(tag)
+            if node is not None:
+                name = f"{case.get('classname')}::{case.get('name')}"
+                msg = (node.get("message") or "")[:300]
+                (collect if case.get("name") in ("", None) or "collect" in msg.lower() or not case.get("classname") else failed).append({"test": name, "message": msg})
+    counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    report["pytest"] = {**counts, "failed": failed, "not_importable": collect}
+except (OSError, ET.ParseError) as exc:
+    report["pytest"] = {"error": repr(exc)}
+for name in ("kernels", "engine", "fixed_len"):
+    report[name] = load(out / f"{name}.json")
+(out / "report.json").write_text(json.dumps(report, indent=1))
+
+md = ["# qworker GPU check" + (" (dry run, CPU)" if dry else ""), ""]
+info = report["info"] or {}
+md.append(f"Machine: {info.get('gpu', 'cpu')}, torch {info.get('torch')}, cupy {info.get('cupy')}, NVRTC {info.get('nvrtc')}")
+md += ["", "| stage | state | rc | seconds |", "| --- | --- | --- | --- |"]
+md += [f"| {s['stage']} | {s['state']} | {s['rc']} | {s['seconds']} |" for s in stages]
+p = report["pytest"]
+if "tests" in p:
+    md += ["", f"pytest -m gpu: {p['passed']} passed, {p['failures']} failed, {p['errors']} errors, {p['skipped']} skipped"]
+    md += [f"- FAILED {f['test']}: {f['message']}" for f in p["failed"]]
+    if p["not_importable"]:
+        md.append(f"- {len(p['not_importable'])} test modules not importable here (expected for worker tests)")
+k = report["kernels"]
+if k:
+    md += ["", f"Decode kernel (32 q / 8 kv heads, head 128, {k['dtype']}, block 16); copy bandwidth {k['copy_gbps']:.0f} GB/s", "",
+           "| batch | ctx | plan | kernel ms | GB/s | % copy | SDPA ms | x SDPA |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in k["decode"]:
+        md.append(f"| {r['batch']} | {r['ctx']} | {r['plan']} | {r['kernel_ms']:.3f} | {r['kernel_gbps']:.0f} | {r['pct_copy']:.1f} | {r.get('sdpa_ms', float('nan')):.3f} | {r.get('kernel_vs_sdpa', float('nan')):.2f} |")
+    md += ["", "| prefill chunk | ctx | seqs | gather+SDPA ms | paged ms | faster |", "| --- | --- | --- | --- | --- | --- |"]
+    md += [f"| {r['chunk']} | {r['ctx']} | {r['seqs']} | {r['sdpa_ms']:.3f} | {r['paged_ms']:.3f} | {r['faster']} |" for r in k["prefill"]]
+    md.append(f"\nPrefill choice: {k['prefill_choice']}")
+e = report["engine"]
+if e:
+    md += ["", "End-to-end (scripts/bench_engine.py):", "", "```", json.dumps(e, indent=1)[:3000], "```"]
+f = report["fixed_len"]
+if f:
+    md += ["", f"Fixed length ({f['workload']}, {f['model']}, {f['dtype']}, {f['device']}):",
+           f"{f['output_tok_per_s']:.0f} output tok/s, {f['req_per_s']:.2f} req/s "
+           f"({f['requests_finished']} finished, {f['generated_tokens']} tokens in {f['elapsed_s']:.1f}s, backend {f.get('attention_backend')})"]
+(out / "report.md").write_text("\n".join(md) + "\n")
+print("\n".join(md))
+EOF
+
+"$PYTHON" -c "$REPORT_PY" "$OUT" "$WORK" "$DRY" 2>&1 | tee -a "$LOG" || log "report: failed to build"
+if grep -qvE ' (ok|skipped) ' "$STATUS"; then
+  exit 1
+fi
+exit 0

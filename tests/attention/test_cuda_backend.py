@@ -1,0 +1,308 @@
+"""The CUDA backend against the torch reference.
+
+Two ways in: on the CPU, the real kernel sources built by the emulator
+(``tests/attention/emulator``) run behind the backend's own launch code; on a GPU
+(``-m gpu``), the cupy-compiled kernels run for every dtype, head size, block size, GQA
+ratio, split-K on and off, partly filled blocks and contexts up to 32k.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from qworker.attention.backend import KVCache
+from qworker.attention.cuda_backend import CudaAttentionBackend
+from qworker.attention.cuda_kernels import DTYPE_CODE, head_tile
+from qworker.attention.torch_ref import TorchAttentionBackend
+from tests.attention.cases import TOLERANCE, Batch, make_batch, rel_err
+
+REF = TorchAttentionBackend()
+
+# Decode instantiations the emulator builds: (dtype, head size, head tile).
+EMU_INSTANCES = [(0, 32, 8), (2, 64, 4), (1, 80, 2), (2, 128, 8), (0, 96, 1), (1, 32, 8)]
+
+
+def _ref_out(batch: Batch, scale: float) -> torch.Tensor:
+    return REF.forward(batch.query, batch.key_cache, batch.value_cache, batch.meta, scale)
+
+
+def _real_rows(batch: Batch) -> slice:
+    return slice(0, int(batch.meta.query_start_loc[-1]))
+
+
+# ---------------------------------------------------------------------------------------
+# CPU: the emulator
+
+
+@pytest.fixture(scope="module")
+def emu_lib():  # type: ignore[no-untyped-def]
+    from tests.attention.emulator import build, compiler
+
+    if compiler() is None:
+        pytest.skip("no C++ compiler for the kernel emulator")
+    return build(EMU_INSTANCES)
+
+
+def _emu_backend(lib, **kwargs) -> CudaAttentionBackend:  # type: ignore[no-untyped-def]
+    from tests.attention.emulator import EmulatedKernels
+
+    return CudaAttentionBackend(kernels=EmulatedKernels(lib), num_sms=4, **kwargs)
+
+
+EMU_DECODE_CASES = [
+    # dtype, head_dim, q_heads, kv_heads, block_size, split, window, seq_lens
+    (torch.float32, 32, 8, 1, 8, False, None, [1, 5, 8, 17, 130]),  # MQA, partial blocks
+    (torch.bfloat16, 64, 8, 2, 16, True, None, [33, 200, 65]),  # split, GQA 4
+    (torch.float16, 80, 4, 2, 32, True, 37, [1, 100, 40]),  # window across partitions
+    (torch.bfloat16, 128, 16, 2, 16, False, None, [7, 290]),  # GQA 8, two chunks
+    (torch.float32, 96, 3, 3, 16, None, 50, [3, 99]),  # MHA, window, auto split
+    (torch.float16, 32, 14, 2, 8, True, None, [9, 70]),  # group 7 (a masked head)
+    (torch.float32, 32, 16, 1, 8, True, None, [4, 41]),  # group 16: two head tiles
+]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "dim", "q_heads", "kv_heads", "block_size", "split", "window", "lens"),
+    EMU_DECODE_CASES,
+)
+def test_emulated_decode_kernel_matches_reference(  # type: ignore[no-untyped-def]
+    emu_lib, dtype, dim, q_heads, kv_heads, block_size, split, window, lens
+) -> None:
+    assert (DTYPE_CODE[dtype], dim, head_tile(q_heads // kv_heads)) in EMU_INSTANCES
+    batch = make_batch(
+        [1] * len(lens),
+        lens,
+        q_heads,
+        kv_heads,
+        dim,
+        block_size,
+        dtype,
+        sliding_window=window,
+        seed=len(lens),
+    )
+    backend = _emu_backend(emu_lib, split_k=split, partition_size=64 if split else None)
+    out = backend.forward(batch.query, batch.key_cache, batch.value_cache, batch.meta, dim**-0.5)
+    assert backend.last_decode is not None
+    if split is not None:
+        assert backend.last_decode.split == split
+    assert rel_err(out, _ref_out(batch, dim**-0.5)) < TOLERANCE[dtype]
+
+
+def test_emulated_split_and_unsplit_agree_on_a_long_context(emu_lib) -> None:  # type: ignore[no-untyped-def]
+    batch = make_batch([1, 1], [600, 257], 8, 2, 64, 16, torch.bfloat16, seed=3)
+    outs = []
+    for split in (False, True):
+        backend = _emu_backend(emu_lib, split_k=split, partition_size=256)
+        outs.append(
+            backend.forward(
+                batch.query, batch.key_cache, batch.value_cache, batch.meta, 0.125
+            ).float()
+        )
+    assert rel_err(outs[1], outs[0]) < 1e-2
+    assert rel_err(outs[1], _ref_out(batch, 0.125)) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("prefill", ["sdpa", "paged"])
+def test_emulated_mixed_batch_matches_reference(emu_lib, prefill: str) -> None:  # type: ignore[no-untyped-def]
+    # two decodes, a chunk over a cached prefix, a fresh prompt, then padding rows
+    batch = make_batch(
+        [1, 1, 4, 6], [20, 45, 37, 6], 8, 2, 64, 16, torch.bfloat16, pad_tokens=3, seed=5
+    )
+    backend = _emu_backend(emu_lib, prefill=prefill)
+    out = backend.forward(batch.query, batch.key_cache, batch.value_cache, batch.meta, 0.125)
+    ref = _ref_out(batch, 0.125)
+    assert rel_err(out, ref, _real_rows(batch)) < TOLERANCE[torch.bfloat16]
+
+
+def test_emulated_write_kv_matches_reference_and_skips_padding(emu_lib) -> None:  # type: ignore[no-untyped-def]
+    batch = make_batch([1, 3, 2], [9, 20, 2], 4, 2, 32, 8, torch.float16, pad_tokens=2, seed=7)
+    backend = _emu_backend(emu_lib)
+    # aligned rows (16-byte path), then rows sliced out of a fused projection at an odd
+    # element offset (2-byte path)
+    n = batch.meta.num_tokens
+    fused = torch.randn(n, 1 + 2 * 2 * 32, dtype=torch.float16)
+    odd_k = fused[:, 1 : 1 + 64].view(n, 2, 32)
+    odd_v = fused[:, 1 + 64 :].view(n, 2, 32)
+    for key, value in ((batch.new_key, batch.new_value), (odd_k, odd_v)):
+        got_k, got_v = batch.key_cache.clone(), batch.value_cache.clone()
+        want_k, want_v = batch.key_cache.clone(), batch.value_cache.clone()
+        backend.write_kv(key, value, got_k, got_v, batch.meta.slot_mapping)
+        REF.write_kv(key, value, want_k, want_v, batch.meta.slot_mapping)
+        assert torch.equal(got_k.view(torch.int16), want_k.view(torch.int16))
+        assert torch.equal(got_v.view(torch.int16), want_v.view(torch.int16))
+
+
+def test_emulated_copy_blocks_matches_reference(emu_lib) -> None:  # type: ignore[no-untyped-def]
+    pool = KVCache.allocate(3, 10, 2, 8, 32, torch.bfloat16, "cpu")
+    pool.key.normal_()
+    pool.value.normal_()
+    want = KVCache(pool.key.clone(), pool.value.clone())
+    src, dst = torch.tensor([1, 4, 7]), torch.tensor([9, 0, 2])
+    _emu_backend(emu_lib).copy_blocks(pool, src, dst)
+    REF.copy_blocks(want, src, dst)
+    assert torch.equal(pool.key, want.key)
+    assert torch.equal(pool.value, want.value)
+
+
+def test_backend_imports_and_falls_back_to_torch_without_cuda() -> None:
+    batch = make_batch([1, 3], [5, 9], 4, 2, 32, 8, torch.float32)
+    backend = CudaAttentionBackend()
+    out = backend.forward(batch.query, batch.key_cache, batch.value_cache, batch.meta, 0.2)
+    assert rel_err(out, _ref_out(batch, 0.2), _real_rows(batch)) < 1e-6
+    with pytest.raises(ValueError, match="prefill"):
+        CudaAttentionBackend(prefill="bogus")
+
+
+# ---------------------------------------------------------------------------------------
+# GPU
+
+GPU_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+GPU_HEAD_SIZES = [64, 80, 96, 128, 256]
+GQA_SHAPES = [(8, 8), (8, 4), (8, 2), (8, 1), (14, 2), (32, 1)]  # ratios 1, 2, 4, 8, 7, MQA 32
+
+
+def _gpu_lens(rng: random.Random, block_size: int, n: int) -> list[int]:
+    lens = [1, block_size, block_size + 1, 3 * block_size - 1]  # partly filled last blocks
+    lens += [rng.randint(2, 1500) for _ in range(max(0, n - len(lens)))]
+    return lens[:n]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("dtype", "dim"), list(itertools.product(GPU_DTYPES, GPU_HEAD_SIZES)))
+def test_gpu_decode_matches_reference(dtype: torch.dtype, dim: int) -> None:
+    rng = random.Random(dim)
+    failures = []
+    for (q_heads, kv_heads), block_size, split in itertools.product(
+        GQA_SHAPES, (8, 16, 32), (False, True)
+    ):
+        window = rng.choice([None, None, 100])
+        lens = _gpu_lens(rng, block_size, 7)
+        batch = make_batch(
+            [1] * len(lens),
+            lens,
+            q_heads,
+            kv_heads,
+            dim,
+            block_size,
+            dtype,
+            "cuda",
+            sliding_window=window,
+            seed=rng.randint(0, 1 << 30),
+        )
+        backend = CudaAttentionBackend(split_k=split, partition_size=rng.choice([64, 256, 512]))
+        out = backend.forward(
+            batch.query, batch.key_cache, batch.value_cache, batch.meta, dim**-0.5
+        )
+        err = rel_err(out, _ref_out(batch, dim**-0.5))
+        if not err < TOLERANCE[dtype]:
+            failures.append((q_heads, kv_heads, block_size, split, window, lens, err))
+    assert not failures, failures
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_long_contexts_up_to_32k_split_automatically(dtype: torch.dtype) -> None:
+    lens = [32768, 32000 + 3, 1, 4097]
+    batch = make_batch([1] * 4, lens, 32, 8, 128, 16, dtype, "cuda", seed=11)
+    ref = _ref_out(batch, 128**-0.5)
+    auto = CudaAttentionBackend()
+    out = auto.forward(batch.query, batch.key_cache, batch.value_cache, batch.meta, 128**-0.5)
+    assert auto.last_decode is not None and auto.last_decode.split
+    assert rel_err(out, ref) < TOLERANCE[dtype]
+    whole = CudaAttentionBackend(split_k=False)
+    out = whole.forward(batch.query, batch.key_cache, batch.value_cache, batch.meta, 128**-0.5)
+    assert rel_err(out, ref) < TOLERANCE[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefill", ["sdpa", "paged"])
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_gpu_mixed_batch_with_prefix_hits_matches_reference(
+    prefill: str, dtype: torch.dtype
+) -> None:
+    for q_heads, kv_heads in ((32, 8), (8, 8), (16, 1)):
+        batch = make_batch(
+            [1, 1, 1, 37, 300, 5],
+            [1, 700, 33, 500, 300, 4000],
+            q_heads,
+            kv_heads,
+            128,
+            16,
+            dtype,
+            "cuda",
+            pad_tokens=5,
+            seed=q_heads,
+        )
+        backend = CudaAttentionBackend(prefill=prefill)
+        out = backend.forward(batch.query, batch.key_cache, batch.value_cache, batch.meta, 0.09)
+        err = rel_err(out, _ref_out(batch, 0.09), _real_rows(batch))
+        assert err < TOLERANCE[dtype], (q_heads, kv_heads, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_gpu_write_kv_is_byte_exact_and_skips_padding(dtype: torch.dtype) -> None:
+    batch = make_batch([1, 7, 30], [40, 7, 64], 8, 4, 128, 16, dtype, "cuda", pad_tokens=4)
+    n = batch.meta.num_tokens
+    fused = torch.randn(n, 1 + 2 * 4 * 128, device="cuda").to(dtype)
+    views = [
+        (batch.new_key, batch.new_value),
+        (fused[:, 1 : 1 + 512].view(n, 4, 128), fused[:, 1 + 512 :].view(n, 4, 128)),
+    ]
+    backend = CudaAttentionBackend()
+    for key, value in views:
+        got_k, got_v = batch.key_cache.clone(), batch.value_cache.clone()
+        want_k, want_v = batch.key_cache.clone(), batch.value_cache.clone()
+        backend.write_kv(key, value, got_k, got_v, batch.meta.slot_mapping)
+        REF.write_kv(key, value, want_k, want_v, batch.meta.slot_mapping)
+        torch.cuda.synchronize()
+        assert torch.equal(got_k.view(torch.uint8), want_k.view(torch.uint8))
+        assert torch.equal(got_v.view(torch.uint8), want_v.view(torch.uint8))
+
+
+@pytest.mark.gpu
+def test_gpu_copy_blocks_and_swap_round_trip_match_reference() -> None:
+    backend = CudaAttentionBackend()
+    pool = KVCache.allocate(4, 64, 8, 16, 128, torch.bfloat16, "cuda")
+    pool.key.normal_()
+    pool.value.normal_()
+    want = KVCache(pool.key.clone(), pool.value.clone())
+    src, dst = (
+        torch.tensor([1, 5, 9, 33], device="cuda"),
+        torch.tensor([2, 60, 0, 34], device="cuda"),
+    )
+    backend.copy_blocks(pool, src, dst)
+    REF.copy_blocks(want, src, dst)
+    assert torch.equal(pool.key, want.key) and torch.equal(pool.value, want.value)
+
+    host = KVCache.allocate(4, 16, 8, 16, 128, torch.bfloat16, "cpu", pin_memory=True)
+    out_src, out_dst = torch.tensor([3, 60, 7]), torch.tensor([15, 0, 4])
+    backend.swap_blocks(pool, host, out_src, out_dst)
+    for i, j in zip(out_src.tolist(), out_dst.tolist(), strict=True):
+        assert torch.equal(host.key[:, j], pool.key[:, i].cpu())
+        assert torch.equal(host.value[:, j], pool.value[:, i].cpu())
+    back = KVCache.allocate(4, 64, 8, 16, 128, torch.bfloat16, "cuda")
+    backend.swap_blocks(host, back, out_dst, out_src)
+    torch.cuda.synchronize()
+    for i in out_src.tolist():
+        assert torch.equal(back.key[:, i], pool.key[:, i])
+        assert torch.equal(back.value[:, i], pool.value[:, i])
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_run_on_torch_current_stream() -> None:
+    batch = make_batch([1] * 8, [3000] * 8, 32, 8, 128, 16, torch.bfloat16, "cuda", seed=2)
+    ref = _ref_out(batch, 0.1)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        # the cache is rebuilt on the side stream right before the kernel reads it
+        key = batch.key_cache.clone()
+        value = batch.value_cache.clone()
+        out = CudaAttentionBackend().forward(batch.query, key, value, batch.meta, 0.1)
+    stream.synchronize()
+    assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]

@@ -1,0 +1,131 @@
+"""The kernels compile without a GPU: through NVRTC (the runtime's compiler, via cupy) and
+through nvcc, for sm_90, with no register spills and no stack frame.
+
+nvcc (CUDA 13, like the GPU machine's NVRTC) compiles every instantiation the backend can
+request; NVRTC (whatever cupy loads here) compiles every cache op and a spread of decode
+instantiations covering each dtype, head tile and an odd head size, with the same options and
+name expressions the runtime passes to ``cupy.RawModule``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from qworker.attention import cuda_kernels as ck
+from qworker.attention.nvrtc import KernelResources, compile_only, nvrtc_version, parse_ptxas_report
+
+needs_nvrtc = pytest.mark.skipif(nvrtc_version() is None, reason="cupy / libnvrtc not installed")
+
+NVRTC_DECODE_SAMPLE = [
+    "paged_attention_decode<2, 128, 1>",
+    "paged_attention_decode<2, 128, 2>",
+    "paged_attention_decode<2, 128, 4>",
+    "paged_attention_decode<2, 128, 8>",
+    "paged_attention_decode<1, 80, 8>",
+    "paged_attention_decode<0, 256, 8>",
+    "paged_attention_decode<1, 96, 2>",
+    "paged_attention_reduce<0>",
+    "paged_attention_reduce<1>",
+    "paged_attention_reduce<2>",
+]
+
+
+def _assert_no_local_memory(resources: dict[str, KernelResources], expected: int) -> None:
+    assert len(resources) == expected, sorted(resources)
+    bad = {
+        k.name: (k.stack_frame, k.spill_stores, k.spill_loads)
+        for k in resources.values()
+        if k.stack_frame or k.spill_stores or k.spill_loads
+    }
+    assert not bad, f"stack frame / spills: {bad}"
+
+
+def test_ptxas_report_parser_reads_spills_and_registers() -> None:
+    log = (
+        "ptxas info    : Compiling entry function '_Z1kv' for 'sm_90'\n"
+        "ptxas info    : Function properties for _Z1kv\n"
+        "    8 bytes stack frame, 4 bytes spill stores, 12 bytes spill loads\n"
+        "ptxas info    : Used 64 registers, used 1 barriers\n"
+    )
+    (k,) = parse_ptxas_report(log).values()
+    assert (k.name, k.registers, k.stack_frame, k.spill_stores, k.spill_loads) == (
+        "_Z1kv",
+        64,
+        8,
+        4,
+        12,
+    )
+
+
+@needs_nvrtc
+def test_cache_ops_compile_through_nvrtc_without_local_memory() -> None:
+    names = ck.all_instantiations()[ck.CACHE_OPS]
+    result = compile_only(ck.source(ck.CACHE_OPS), names)
+    assert set(result.lowered) == set(names)
+    assert result.cubin
+    _assert_no_local_memory(result.resources, len(names))
+
+
+@needs_nvrtc
+def test_decode_and_reduce_compile_through_nvrtc_without_local_memory() -> None:
+    every = set(ck.all_instantiations()[ck.PAGED_ATTENTION])
+    assert set(NVRTC_DECODE_SAMPLE) <= every
+    result = compile_only(ck.source(ck.PAGED_ATTENTION), NVRTC_DECODE_SAMPLE)
+    assert result.cubin
+    _assert_no_local_memory(result.resources, len(NVRTC_DECODE_SAMPLE))
+
+
+@needs_nvrtc
+def test_nvrtc_reports_a_broken_source_with_its_log() -> None:
+    with pytest.raises(RuntimeError, match="error"):
+        compile_only("__global__ void k() { undefined_thing(); }", ["k"])
+
+
+def _nvcc_translation_unit(source: str, names: list[str]) -> str:
+    # Taking each instantiation's address makes nvcc emit it, as a launch would.
+    refs = ",\n".join(f"  (void*)&{n}" for n in names)
+    return f'#include "{ck.CUDA_DIR / source}"\nvoid* qw_instances[] = {{\n{refs}\n}};\n'
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_every_instantiation_compiles_with_nvcc_sm90_without_spills() -> None:
+    groups: list[tuple[str, list[str]]] = []
+    for source, names in ck.all_instantiations().items():
+        if source == ck.PAGED_ATTENTION:
+            for code in ck.DTYPE_CODE.values():  # one nvcc per dtype, run side by side
+                groups.append((source, [n for n in names if f"<{code}" in n]))
+        else:
+            groups.append((source, names))
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = []
+        for i, (source, names) in enumerate(groups):
+            unit = Path(tmp) / f"unit{i}.cu"
+            unit.write_text(_nvcc_translation_unit(source, names))
+            cmd = [
+                "nvcc",
+                "-std=c++17",
+                "-arch=sm_90",
+                "-Xptxas",
+                "-v",
+                "-c",
+                str(unit),
+                "-o",
+                str(Path(tmp) / f"unit{i}.o"),
+            ]
+            procs.append(
+                (
+                    names,
+                    subprocess.Popen(
+                        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+                    ),
+                )
+            )
+        for names, proc in procs:
+            log, _ = proc.communicate(timeout=600)
+            assert proc.returncode == 0, log[-4000:]
+            _assert_no_local_memory(parse_ptxas_report(log), len(names))
