@@ -382,3 +382,70 @@ def test_sqs_sigterm_drain_makes_unfinished_jobs_visible_again_at_once(
         assert proc.wait(timeout=90) == 0, (tmp_path / "second.log").read_text()[-3000:]
     _assert_one_valid_result_per_job(moto_server, s3_bucket, [f"job-{i:03d}" for i in range(n)])
     assert _queue_counts(moto_server, queue.url) == (0, 0)
+
+
+def _received(log_path: Path) -> int:
+    for line in log_path.read_text().splitlines():
+        if line.startswith("jobs: received "):
+            return int(line.split()[2].rstrip(","))
+    raise AssertionError(f"no summary in {log_path}")
+
+
+def test_two_workers_in_one_group_with_a_rebalance_between_them_lose_nothing(
+    tmp_path: Path,
+    kafka_broker: str,
+    kafka_topic: Callable[..., str],
+    s3_bucket: str,
+    moto_server: str,
+    aws_env: dict[str, str],
+) -> None:
+    topic = kafka_topic(4)
+    n = 80
+    jobs = _write_jobs(tmp_path / "requests.jsonl", _good_jobs(n))
+    slow = _env(
+        aws_env, QWORKER_MODEL="echo://?delay_ms=40&steps=10", QWORKER_MAX_INFLIGHT_JOBS="4"
+    )
+    source = f"kafka://{kafka_broker}/{topic}?group=pair"
+    sink = f"s3://{s3_bucket}/{PREFIX}"
+    done = _qworker("produce", "-i", str(jobs), "--to", source, "--batch-id", BATCH, env=slow)
+    assert done.returncode == 0, done.stderr.decode()
+
+    log_a, log_b = tmp_path / "a.log", tmp_path / "b.log"
+    with running(_run_cmd(source, sink, until_idle=3), slow, log_a) as a:
+        _wait_for_results(moto_server, s3_bucket, at_least=4)
+        # B joins while A has jobs in flight: the group rebalances under load.
+        with running(_run_cmd(source, sink, until_idle=3), slow, log_b) as b:
+            assert b.wait(timeout=90) == 0, log_b.read_text()[-3000:]
+        assert a.wait(timeout=90) == 0, log_a.read_text()[-3000:]
+
+    _assert_one_valid_result_per_job(moto_server, s3_bucket, [f"job-{i:03d}" for i in range(n)])
+    assert sum(_kafka_committed(kafka_broker, "pair", topic, 4).values()) == n
+    assert _received(log_b) > 0, "the second worker never got a partition"
+
+
+def test_s3_failing_with_5xx_and_resets_is_retried_through_by_the_worker(
+    tmp_path: Path,
+    sqs_queue: Callable[..., QueueInfo],
+    s3_bucket: str,
+    moto_server: str,
+    aws_env: dict[str, str],
+) -> None:
+    from qworker.testing.faultproxy import FaultProxy
+
+    queue = sqs_queue()
+    n = 20
+    jobs = _write_jobs(tmp_path / "requests.jsonl", _good_jobs(n))
+    source = f"sqs://{queue.url}"
+    sink = f"s3://{s3_bucket}/{PREFIX}"
+    done = _qworker("produce", "-i", str(jobs), "--to", source, "--batch-id", BATCH,
+                    env=_env(aws_env))
+    assert done.returncode == 0, done.stderr.decode()
+
+    with FaultProxy(moto_server, error_rate=0.2, reset_rate=0.05, seed=3) as proxy:
+        env = _env(aws_env, QWORKER_S3_ENDPOINT_URL=proxy.url)
+        with running(_run_cmd(source, sink), env, tmp_path / "worker.log") as proc:
+            assert proc.wait(timeout=90) == 0, (tmp_path / "worker.log").read_text()[-3000:]
+        stats = proxy.stats
+    assert stats["errors_500"] + stats["errors_503"] + stats["resets"] > 0
+    _assert_one_valid_result_per_job(moto_server, s3_bucket, [f"job-{i:03d}" for i in range(n)])
+    assert _queue_counts(moto_server, queue.url) == (0, 0)
