@@ -446,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         print(render_table(rows, managed, managed_1000))
         print(f"managed: {managed.source}")
         print(f"note: {PRICES_NOTE}")
-        if args.price_per_hour is None and not args.instance:
+        if args.price_per_hour is None:
             print(
                 "note: every row assumes the measured per-GPU throughput; "
                 "measure on the GPU you price."
