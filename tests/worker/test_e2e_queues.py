@@ -74,6 +74,22 @@ def _qworker(*args: str, env: dict[str, str], timeout: float = 60) -> subprocess
     )
 
 
+def _produce_fast(source: str, jobs: Path, endpoint: str) -> None:
+    """Push ``jobs`` in-process (the CLI path is covered by the first two tests)."""
+    from types import SimpleNamespace
+
+    from qworker.worker.sources import kafka, sqs
+
+    items = []
+    for line in jobs.read_bytes().splitlines():
+        data = json.loads(line)
+        data["batch_id"] = BATCH
+        items.append((data["custom_id"], json.dumps(data).encode()))
+    module = kafka if source.startswith("kafka://") else sqs
+    settings = SimpleNamespace(sqs_endpoint_url=endpoint, aws_region="us-east-1")
+    assert asyncio.run(module.produce(source, items, settings)) == len(items)
+
+
 def _run_cmd(source: str, sink: str, until_idle: float = 1.0) -> list[str]:
     return [sys.executable, "-m", "qworker", "run", "--source", source, "--sink", sink,
             "--until-idle", str(until_idle)]
@@ -289,8 +305,7 @@ def test_kafka_worker_killed_mid_batch_and_restarted_leaves_no_job_missing(
     slow = _env(aws_env, QWORKER_MODEL="echo://?delay_ms=30&steps=5", QWORKER_MAX_INFLIGHT_JOBS="4")
     source = f"kafka://{kafka_broker}/{topic}?group=killed"
     sink = f"s3://{s3_bucket}/{PREFIX}"
-    done = _qworker("produce", "-i", str(jobs), "--to", source, "--batch-id", BATCH, env=slow)
-    assert done.returncode == 0, done.stderr.decode()
+    _produce_fast(source, jobs, moto_server)
 
     with running(_run_cmd(source, sink, until_idle=30), slow, tmp_path / "first.log") as proc:
         _wait_for_results(moto_server, s3_bucket, at_least=8)
@@ -324,8 +339,7 @@ def test_kafka_sigterm_drain_commits_only_finished_work_and_the_rest_is_redelive
     )
     source = f"kafka://{kafka_broker}/{topic}?group=drained"
     sink = f"s3://{s3_bucket}/{PREFIX}"
-    done = _qworker("produce", "-i", str(jobs), "--to", source, "--batch-id", BATCH, env=slow)
-    assert done.returncode == 0, done.stderr.decode()
+    _produce_fast(source, jobs, moto_server)
 
     with running(_run_cmd(source, sink, until_idle=30), slow, tmp_path / "first.log") as proc:
         _wait_for_results(moto_server, s3_bucket, at_least=4)
@@ -365,8 +379,7 @@ def test_sqs_sigterm_drain_makes_unfinished_jobs_visible_again_at_once(
     )
     source = f"sqs://{queue.url}"
     sink = f"s3://{s3_bucket}/{PREFIX}"
-    done = _qworker("produce", "-i", str(jobs), "--to", source, "--batch-id", BATCH, env=slow)
-    assert done.returncode == 0, done.stderr.decode()
+    _produce_fast(source, jobs, moto_server)
 
     with running(_run_cmd(source, sink, until_idle=30), slow, tmp_path / "first.log") as proc:
         _wait_for_results(moto_server, s3_bucket, at_least=4)
@@ -407,8 +420,7 @@ def test_two_workers_in_one_group_with_a_rebalance_between_them_lose_nothing(
     )
     source = f"kafka://{kafka_broker}/{topic}?group=pair"
     sink = f"s3://{s3_bucket}/{PREFIX}"
-    done = _qworker("produce", "-i", str(jobs), "--to", source, "--batch-id", BATCH, env=slow)
-    assert done.returncode == 0, done.stderr.decode()
+    _produce_fast(source, jobs, moto_server)
 
     log_a, log_b = tmp_path / "a.log", tmp_path / "b.log"
     with running(_run_cmd(source, sink, until_idle=3), slow, log_a) as a:
@@ -437,9 +449,7 @@ def test_s3_failing_with_5xx_and_resets_is_retried_through_by_the_worker(
     jobs = _write_jobs(tmp_path / "requests.jsonl", _good_jobs(n))
     source = f"sqs://{queue.url}"
     sink = f"s3://{s3_bucket}/{PREFIX}"
-    done = _qworker("produce", "-i", str(jobs), "--to", source, "--batch-id", BATCH,
-                    env=_env(aws_env))
-    assert done.returncode == 0, done.stderr.decode()
+    _produce_fast(source, jobs, moto_server)
 
     with FaultProxy(moto_server, error_rate=0.2, reset_rate=0.05, seed=3) as proxy:
         env = _env(aws_env, QWORKER_S3_ENDPOINT_URL=proxy.url)

@@ -19,6 +19,7 @@ connection errors are retried with exponential backoff and full jitter
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 from collections.abc import Callable, Iterator
@@ -30,11 +31,23 @@ from qworker.worker.sinks.base import Sink
 log = logging.getLogger(__name__)
 
 _DUPLICATE_CODES = frozenset({"PreconditionFailed"})
-_RETRY_CODES = frozenset({
-    "SlowDown", "Throttling", "ThrottlingException", "RequestThrottled", "RequestTimeout",
-    "RequestTimeoutException", "InternalError", "ServiceUnavailable", "ServerError",
-    "ConditionalRequestConflict", "OperationAborted", "BadGateway", "GatewayTimeout",
-})
+_RETRY_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestThrottled",
+        "RequestTimeout",
+        "RequestTimeoutException",
+        "InternalError",
+        "ServiceUnavailable",
+        "ServerError",
+        "ConditionalRequestConflict",
+        "OperationAborted",
+        "BadGateway",
+        "GatewayTimeout",
+    }
+)
 
 
 class S3WriteError(OSError):
@@ -113,6 +126,7 @@ class S3Sink(Sink):
         self.retries = 0
         self._rng = rng or random.Random()
         self._runner = BlockingRunner(concurrency, "qworker-s3")
+        self._slots = asyncio.Semaphore(concurrency)
         self._closed = False
 
     def backoff(self, attempt: int) -> float:
@@ -125,20 +139,21 @@ class S3Sink(Sink):
         Raises ``S3WriteError`` after ``max_attempts`` transient failures or at the
         first permanent one.
         """
-        import asyncio
-
         last: BaseException | None = None
         for attempt in range(self.max_attempts):
             try:
-                await self._runner.run(
-                    self.call_timeout,
-                    self.client.put_object,
-                    Bucket=self.bucket,
-                    Key=key,
-                    Body=body,
-                    IfNoneMatch="*",
-                    ContentType="application/json",
-                )
+                # Wait for a free thread first, so call_timeout covers the call itself and
+                # not the time spent queued behind other puts.
+                async with self._slots:
+                    await self._runner.run(
+                        self.call_timeout,
+                        self.client.put_object,
+                        Bucket=self.bucket,
+                        Key=key,
+                        Body=body,
+                        IfNoneMatch="*",
+                        ContentType="application/json",
+                    )
                 return True
             except Exception as exc:
                 kind = classify_error(exc)
@@ -155,7 +170,11 @@ class S3Sink(Sink):
                 delay = self.backoff(attempt)
                 log.warning(
                     "s3 put key=%s attempt %d/%d failed (%s); retrying in %.2fs",
-                    key, attempt + 1, self.max_attempts, last, delay,
+                    key,
+                    attempt + 1,
+                    self.max_attempts,
+                    last,
+                    delay,
                 )
                 await asyncio.sleep(delay)
         raise S3WriteError(
@@ -202,7 +221,8 @@ def collect(uri: str, batch_id: str, settings: Any) -> Iterator[bytes]:
     with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
         for page in paginator.paginate(Bucket=bucket, Prefix=start):
             keys = [
-                obj["Key"] for obj in page.get("Contents", [])
-                if "/" not in obj["Key"][len(start):]
+                obj["Key"]
+                for obj in page.get("Contents", [])
+                if "/" not in obj["Key"][len(start) :]
             ]
             yield from pool.map(fetch, keys)

@@ -155,3 +155,27 @@ def test_collect_yields_every_object_of_one_batch_only(moto_server: str, s3_buck
     assert batch_prefix("out", "night-1") == "out/night-1/"
     bodies = list(collect(uri, "night-1", settings))
     assert sorted(bodies) == sorted(b'{"i": %d}' % i for i in range(25))
+
+
+def test_awkward_custom_ids_become_distinct_retrievable_objects(
+    moto_server: str, s3_bucket: str
+) -> None:
+    from qworker.schema import result_key
+
+    ids = [
+        "a/b", "../../etc/passwd", "..", "naïve café ☕", "x" * 1024, "x" * 1023 + "y", "a b?c#d",
+    ]
+    keys = [result_key("p", "b/../c", cid) for cid in ids]
+    assert len(set(keys)) == len(ids)
+    sink = _sink(moto_server, s3_bucket)
+
+    async def go() -> list[bool]:
+        try:
+            return [await sink.put(k, cid.encode()) for k, cid in zip(keys, ids, strict=True)]
+        finally:
+            await sink.close()
+
+    assert all(asyncio.run(go()))
+    for key, cid in zip(keys, ids, strict=True):
+        assert _get(moto_server, s3_bucket, key) == cid.encode()
+        assert ".." not in key.split("/")
