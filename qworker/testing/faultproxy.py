@@ -40,10 +40,18 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-_HOP_BY_HOP = frozenset({
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
-    "trailers", "transfer-encoding", "upgrade",
-})
+_HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
 
 _ERROR_BODIES = {
     500: ("InternalError", "We encountered an internal error. Please try again."),
@@ -185,7 +193,11 @@ def start(
 ) -> FaultProxy:
     """Start a ``FaultProxy`` in front of ``upstream``; its ``url`` is the endpoint to use."""
     proxy = FaultProxy(
-        upstream, error_rate=error_rate, latency=latency, reset_rate=reset_rate, seed=seed,
+        upstream,
+        error_rate=error_rate,
+        latency=latency,
+        reset_rate=reset_rate,
+        seed=seed,
         port=port,
     )
     proxy.start()
@@ -215,9 +227,7 @@ def _make_handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
 
         def _reset(self) -> None:
             # SO_LINGER with a zero timeout makes close() send RST instead of FIN.
-            self.connection.setsockopt(
-                socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
-            )
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             self.close_connection = True
             self.connection.close()
 
@@ -290,8 +300,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     proxy = start(
-        args.upstream, error_rate=args.error_rate, latency=args.latency,
-        reset_rate=args.reset_rate, seed=args.seed, port=args.port,
+        args.upstream,
+        error_rate=args.error_rate,
+        latency=args.latency,
+        reset_rate=args.reset_rate,
+        seed=args.seed,
+        port=args.port,
     )
     print(proxy.url, flush=True)
     try:

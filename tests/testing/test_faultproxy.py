@@ -73,8 +73,12 @@ def test_fail_next_answers_s3_style_errors_then_recovers(upstream: str) -> None:
         assert status == 500 and b"<Code>InternalError</Code>" in body
         assert _request(proxy.url)[0] == 201
         assert proxy.stats == {
-            "requests": 3, "forwarded": 1, "errors_500": 1, "errors_503": 1,
-            "resets": 0, "delayed": 0,
+            "requests": 3,
+            "forwarded": 1,
+            "errors_500": 1,
+            "errors_503": 1,
+            "resets": 0,
+            "delayed": 0,
         }
 
 

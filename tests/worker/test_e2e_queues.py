@@ -91,8 +91,18 @@ def _produce_fast(source: str, jobs: Path, endpoint: str) -> None:
 
 
 def _run_cmd(source: str, sink: str, until_idle: float = 1.0) -> list[str]:
-    return [sys.executable, "-m", "qworker", "run", "--source", source, "--sink", sink,
-            "--until-idle", str(until_idle)]
+    return [
+        sys.executable,
+        "-m",
+        "qworker",
+        "run",
+        "--source",
+        source,
+        "--sink",
+        sink,
+        "--until-idle",
+        str(until_idle),
+    ]
 
 
 def _objects(endpoint: str, bucket: str) -> dict[str, bytes]:
@@ -256,8 +266,18 @@ def test_kafka_to_s3_one_result_per_job_and_malformed_ones_recorded_or_dead_lett
 
     out = tmp_path / "results.jsonl"
     errs = tmp_path / "errors.jsonl"
-    done = _qworker("collect", "--from", sink, "--batch-id", BATCH, "-o", str(out),
-                    "--errors", str(errs), env=env)
+    done = _qworker(
+        "collect",
+        "--from",
+        sink,
+        "--batch-id",
+        BATCH,
+        "-o",
+        str(out),
+        "--errors",
+        str(errs),
+        env=env,
+    )
     assert done.returncode == 0, done.stderr.decode()
     assert len(out.read_text().splitlines()) == 30
     assert len(errs.read_text().splitlines()) == len(errors)
@@ -334,7 +354,9 @@ def test_kafka_sigterm_drain_commits_only_finished_work_and_the_rest_is_redelive
     jobs = _write_jobs(tmp_path / "requests.jsonl", _good_jobs(n))
     # Each job needs ~1 s; the drain grants 0.3 s, so jobs in flight at SIGTERM are abandoned.
     slow = _env(
-        aws_env, QWORKER_MODEL="echo://?delay_ms=50&steps=20", QWORKER_MAX_INFLIGHT_JOBS="4",
+        aws_env,
+        QWORKER_MODEL="echo://?delay_ms=50&steps=20",
+        QWORKER_MAX_INFLIGHT_JOBS="4",
         QWORKER_DRAIN_SECONDS="0.3",
     )
     source = f"kafka://{kafka_broker}/{topic}?group=drained"
@@ -374,8 +396,11 @@ def test_sqs_sigterm_drain_makes_unfinished_jobs_visible_again_at_once(
     n = 30
     jobs = _write_jobs(tmp_path / "requests.jsonl", _good_jobs(n))
     slow = _env(
-        aws_env, QWORKER_MODEL="echo://?delay_ms=50&steps=20", QWORKER_MAX_INFLIGHT_JOBS="4",
-        QWORKER_DRAIN_SECONDS="0.3", QWORKER_SQS_VISIBILITY_TIMEOUT="300",
+        aws_env,
+        QWORKER_MODEL="echo://?delay_ms=50&steps=20",
+        QWORKER_MAX_INFLIGHT_JOBS="4",
+        QWORKER_DRAIN_SECONDS="0.3",
+        QWORKER_SQS_VISIBILITY_TIMEOUT="300",
     )
     source = f"sqs://{queue.url}"
     sink = f"s3://{s3_bucket}/{PREFIX}"

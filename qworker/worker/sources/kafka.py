@@ -257,9 +257,7 @@ class KafkaSource(Source):
             producer.send_and_wait(self.dlq_topic, msg.body, key=key, headers=headers),
             self.request_timeout,
         )
-        log.warning(
-            "dead-lettered message_id=%s to %s: %s", msg.message_id, self.dlq_topic, reason
-        )
+        log.warning("dead-lettered message_id=%s to %s: %s", msg.message_id, self.dlq_topic, reason)
         await self.ack(msg)
 
     # -- introspection ---------------------------------------------------------------
@@ -328,9 +326,7 @@ class KafkaSource(Source):
             self._apply_backpressure()
             room = max(1, self.buffer_size - len(self._buffer))
             try:
-                batches = await consumer.getmany(
-                    timeout_ms=self.poll_timeout_ms, max_records=room
-                )
+                batches = await consumer.getmany(timeout_ms=self.poll_timeout_ms, max_records=room)
             except ConsumerStoppedError:
                 return
             except KafkaError as exc:
@@ -351,8 +347,9 @@ class KafkaSource(Source):
             try:
                 fresh = part.watermark.track(rec.offset)
             except ValueError:
-                log.warning("skipping out-of-order offset %s/%d/%d", tp.topic, tp.partition,
-                            rec.offset)
+                log.warning(
+                    "skipping out-of-order offset %s/%d/%d", tp.topic, tp.partition, rec.offset
+                )
                 continue
             if not fresh:
                 continue  # a re-fetch of work we already hold (after a rebalance)
@@ -494,7 +491,9 @@ async def produce(uri: str, items: Iterable[tuple[str | None, bytes]], settings:
     """
     parsed = KafkaURI.parse(uri)
     producer = AIOKafkaProducer(
-        bootstrap_servers=parsed.bootstrap, enable_idempotence=False, acks="all",
+        bootstrap_servers=parsed.bootstrap,
+        enable_idempotence=False,
+        acks="all",
         linger_ms=5,
     )
     await producer.start()

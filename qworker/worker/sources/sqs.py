@@ -285,7 +285,9 @@ class SqsSource(Source):
         if self.dlq_url is None:
             log.error(
                 "no SQS dead-letter queue; dropping message_id=%s (%s): %r",
-                msg.message_id, reason, msg.body[:500],
+                msg.message_id,
+                reason,
+                msg.body[:500],
             )
         else:
             extra: dict[str, Any] = {}
@@ -301,8 +303,9 @@ class SqsSource(Source):
                 },
                 **extra,
             )
-            log.warning("dead-lettered message_id=%s to %s: %s", msg.message_id, self.dlq_url,
-                        reason)
+            log.warning(
+                "dead-lettered message_id=%s to %s: %s", msg.message_id, self.dlq_url, reason
+            )
         await self.ack(msg)
 
     async def close(self) -> None:
@@ -360,8 +363,11 @@ class SqsSource(Source):
                 continue
             self.heartbeats += len(entries) - len(resp.get("Failed", []))
             for failed in resp.get("Failed", []):
-                log.warning("sqs heartbeat refused message_id=%s: %s",
-                            chunk[int(failed["Id"])].message_id, failed.get("Message"))
+                log.warning(
+                    "sqs heartbeat refused message_id=%s: %s",
+                    chunk[int(failed["Id"])].message_id,
+                    failed.get("Message"),
+                )
 
     async def _heartbeat_loop(self) -> None:
         while True:

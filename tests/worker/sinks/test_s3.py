@@ -163,7 +163,13 @@ def test_awkward_custom_ids_become_distinct_retrievable_objects(
     from qworker.schema import result_key
 
     ids = [
-        "a/b", "../../etc/passwd", "..", "naïve café ☕", "x" * 1024, "x" * 1023 + "y", "a b?c#d",
+        "a/b",
+        "../../etc/passwd",
+        "..",
+        "naïve café ☕",
+        "x" * 1024,
+        "x" * 1023 + "y",
+        "a b?c#d",
     ]
     keys = [result_key("p", "b/../c", cid) for cid in ids]
     assert len(set(keys)) == len(ids)

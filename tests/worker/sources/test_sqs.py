@@ -184,9 +184,7 @@ def test_configured_dlq_url_wins_over_the_redrive_policy(
     target = sqs_queue()
 
     async def go() -> None:
-        source = open_source(
-            f"sqs://{queue.url}", _settings(moto_server, sqs_dlq_url=target.url)
-        )
+        source = open_source(f"sqs://{queue.url}", _settings(moto_server, sqs_dlq_url=target.url))
         await source.start()
         assert source.dlq_url == target.url
         await source.close()
