@@ -97,7 +97,9 @@ class KafkaSource(Source):
 
     All methods run on the event loop that called ``start``. ``buffer_size`` bounds
     the records fetched but not yet received; ``session_timeout_ms`` is the group
-    session (heartbeats every third of it).
+    session (heartbeats every quarter of it). ``start`` returns once the group is
+    joined and records already waiting for this member are buffered (at most
+    ``start_wait`` seconds), so the first ``receive`` sees the backlog.
     """
 
     def __init__(
@@ -113,6 +115,7 @@ class KafkaSource(Source):
         poll_timeout_ms: int = 200,
         request_timeout: float = 30.0,
         max_poll_interval_ms: int = 300000,
+        start_wait: float = 10.0,
     ) -> None:
         self.bootstrap = bootstrap
         self.topic = topic
@@ -124,6 +127,7 @@ class KafkaSource(Source):
         self.poll_timeout_ms = poll_timeout_ms
         self.request_timeout = request_timeout
         self.max_poll_interval_ms = max_poll_interval_ms
+        self.start_wait = start_wait
         self.on_revoke = None
         #: Times the poll task paused partitions for backpressure (for tests/metrics).
         self.pauses = 0
@@ -162,7 +166,29 @@ class KafkaSource(Source):
             asyncio.create_task(self._poll_loop(), name="kafka-poll"),
             asyncio.create_task(self._commit_loop(), name="kafka-commit"),
         ]
+        await self._await_backlog(self.start_wait)
         log.info("kafka source started topic=%s group=%s", self.topic, self.group)
+
+    async def _await_backlog(self, timeout: float) -> None:
+        # Return from start only once records already waiting are in the buffer, so a
+        # caller's first receive sees the backlog (``--until-idle`` must not mistake the
+        # first fetch round trip for an empty topic).
+        consumer = self._consumer
+        assert consumer is not None
+        assigned = sorted(consumer.assignment())
+        if not assigned:
+            return
+        deadline = time.monotonic() + timeout
+        try:
+            ends = await asyncio.wait_for(consumer.end_offsets(assigned), timeout)
+            positions = [await consumer.position(tp) for tp in assigned]
+        except (KafkaError, TimeoutError) as exc:
+            log.debug("kafka backlog check skipped: %r", exc)
+            return
+        if all(pos >= ends[tp] for tp, pos in zip(assigned, positions, strict=True)):
+            return
+        while not self._buffer and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
 
     async def close(self) -> None:
         """Commit finished work, leave the group, stop the DLQ producer; idempotent.
@@ -197,6 +223,8 @@ class KafkaSource(Source):
 
     async def receive(self, max_messages: int, timeout: float) -> list[Message]:
         """Up to ``max_messages`` fetched messages; ``[]`` after ``timeout`` seconds."""
+        if self._closed:
+            return []
         deadline = time.monotonic() + timeout
         while not self._buffer and not self._closed:
             self._ready.clear()

@@ -269,3 +269,21 @@ def test_abandoned_message_is_handed_out_again_and_holds_the_commit_back(
         assert (await _committed(kafka_broker, "g-abandon", topic, 1))[0] == 3
 
     asyncio.run(go())
+
+
+def test_start_returns_with_the_waiting_backlog_ready_for_the_first_receive(
+    kafka_broker: str, kafka_topic: Callable[..., str]
+) -> None:
+    topic = kafka_topic(2)
+
+    async def go() -> None:
+        await _produce(kafka_broker, topic, 6)
+        source = _source(kafka_broker, topic, "g-backlog")
+        await source.start()
+        first = await source.receive(10, 0.0)  # no waiting at all
+        assert first, "start returned before the waiting records were fetched"
+        for m in first + await _receive_n(source, 6 - len(first)):
+            await source.ack(m)
+        await source.close()
+
+    asyncio.run(go())
