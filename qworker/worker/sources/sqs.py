@@ -84,6 +84,7 @@ class SqsSource(Source):
         heartbeat_interval: float | None = None,
         call_timeout: float = 45.0,
         long_poll_seconds: int = MAX_WAIT_SECONDS,
+        start_wait: float = 5.0,
     ) -> None:
         self.client = client
         self.queue = queue
@@ -93,6 +94,7 @@ class SqsSource(Source):
         self.heartbeat_interval = heartbeat_interval or max(1.0, self.visibility_timeout / 3)
         self.call_timeout = call_timeout
         self.long_poll_seconds = min(MAX_WAIT_SECONDS, max(0, long_poll_seconds))
+        self.start_wait = start_wait
         self.on_revoke = None
         #: Visibility extensions sent so far (for tests and metrics).
         self.heartbeats = 0
@@ -115,21 +117,32 @@ class SqsSource(Source):
         return await self._runner.run(self.call_timeout, getattr(self.client, method), **kwargs)
 
     async def start(self) -> None:
-        """Resolve the queue URL and the redrive DLQ; start the heartbeat task."""
+        """Resolve the queue URL and the redrive DLQ; start the heartbeat task.
+
+        When the queue already holds messages, returns once the first poll delivered
+        some (at most ``start_wait`` s), so the caller's first ``receive`` sees them.
+        """
         if not self.queue_url:
             self.queue_url = (await self._call("get_queue_url", QueueName=self.queue))["QueueUrl"]
+        attrs = (
+            await self._call(
+                "get_queue_attributes",
+                QueueUrl=self.queue_url,
+                AttributeNames=["RedrivePolicy", "ApproximateNumberOfMessages"],
+            )
+        ).get("Attributes", {})
         if self.dlq_url is None:
-            self.dlq_url = await self._redrive_target()
+            self.dlq_url = await self._redrive_target(attrs.get("RedrivePolicy"))
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="sqs-heartbeat")
+        if int(attrs.get("ApproximateNumberOfMessages", "0")) > 0:
+            self._ensure_poll(MAX_BATCH)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._ready.wait(), self.start_wait)
         log.info("sqs source started queue=%s dlq=%s", self.queue_url, self.dlq_url)
 
-    async def _redrive_target(self) -> str | None:
+    async def _redrive_target(self, policy: str | None) -> str | None:
         import json
 
-        attrs = await self._call(
-            "get_queue_attributes", QueueUrl=self.queue_url, AttributeNames=["RedrivePolicy"]
-        )
-        policy = attrs.get("Attributes", {}).get("RedrivePolicy")
         if not policy:
             return None
         arn = json.loads(policy).get("deadLetterTargetArn", "")

@@ -211,3 +211,21 @@ def test_a_long_poll_that_returns_after_close_gives_its_messages_back(
         await other.close()
 
     asyncio.run(go())
+
+
+def test_start_returns_with_waiting_messages_ready_for_the_first_receive(
+    moto_server: str, sqs_queue: Callable[..., QueueInfo]
+) -> None:
+    queue = sqs_queue()
+
+    async def go() -> None:
+        await _fill(moto_server, queue.url, 3)
+        source = _source(moto_server, queue.url)
+        await source.start()
+        first = await source.receive(10, 0.0)
+        assert first, "start returned before the waiting messages were received"
+        for m in first + await _receive_n(source, 3 - len(first)):
+            await source.ack(m)
+        await source.close()
+
+    asyncio.run(go())
