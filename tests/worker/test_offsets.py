@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import pytest
+
+pytest.importorskip("hypothesis")  # absent on the GPU machine
+
 from hypothesis import given
 from hypothesis import strategies as st
 
