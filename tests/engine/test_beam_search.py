@@ -82,11 +82,8 @@ def _assert_matches_hf(outs: list[Any], path: Path, prompts: list[list[int]], k:
     [
         ("tiny_llama_dir", 2, 8),
         ("tiny_llama_dir", 4, 16),
-        ("tiny_llama_dir", 4, 8),
-        ("tiny_qwen2_dir", 2, 16),
         ("tiny_qwen2_dir", 4, 8),
-        ("tiny_opt_dir", 2, 8),
-        ("tiny_opt_dir", 4, 16),
+        ("tiny_opt_dir", 2, 16),
     ],
 )
 def test_every_beam_matches_transformers_with_eos_disabled(
@@ -100,22 +97,25 @@ def test_every_beam_matches_transformers_with_eos_disabled(
     assert llm.stats()["kv_blocks_used"] == 0
 
 
-def test_parity_holds_with_chunked_prefill_turns_and_prefix_cache_hits(
-    tiny_llama_dir: Path,
-) -> None:
-    # 12 blocks of 8: the worst case of one request at a time (9-10 blocks), so the three
-    # prompts run in turns; 8-token steps chunk the 11- and 20-token prompts.
+def test_parity_holds_with_chunked_prefill_and_requests_in_turns(tiny_llama_dir: Path) -> None:
+    # 12 blocks of 8 hold the worst case of one request at a time (8-10 blocks), so the
+    # three prompts run in turns; 8-token steps chunk the 11- and 20-token prompts.
     llm = _llm(tiny_llama_dir, block_size=8, num_kv_blocks=12, max_model_len=64,
                max_num_batched_tokens=8)
-    first = llm.beam_search(PROMPTS, beam_width=4, max_tokens=MAX_NEW, ignore_eos=True)
-    hits_before = llm.stats()["prefix_cache_hits"]
-    again = llm.beam_search(PROMPTS, beam_width=4, max_tokens=MAX_NEW, ignore_eos=True)
-    _assert_matches_hf(first, tiny_llama_dir, PROMPTS, 4, MAX_NEW)
-    _assert_matches_hf(again, tiny_llama_dir, PROMPTS, 4, MAX_NEW)
-    stats = llm.stats()
-    assert stats["prefix_cache_hits"] > hits_before
-    assert again[2].num_cached_tokens == 16
-    assert stats["kv_blocks_used"] == 0
+    search = BeamSearch(llm.engine, beam_width=4, max_tokens=MAX_NEW, ignore_eos=True)
+    outs = search.run(PROMPTS)
+    _assert_matches_hf(outs, tiny_llama_dir, PROMPTS, 4, MAX_NEW)
+    assert search.peak_kv_blocks_used <= 12
+    assert llm.stats()["kv_blocks_used"] == 0
+
+
+def test_a_repeated_prompt_is_served_from_the_prefix_cache(tiny_llama_dir: Path) -> None:
+    llm = _llm(tiny_llama_dir, block_size=8)
+    first = llm.beam_search([PROMPTS[2]], beam_width=2, max_tokens=4, ignore_eos=True)
+    again = llm.beam_search([PROMPTS[2]], beam_width=2, max_tokens=4, ignore_eos=True)
+    assert again[0].num_cached_tokens == 16 and llm.stats()["prefix_cache_hits"] == 16
+    assert [c.token_ids for c in again[0].outputs] == [c.token_ids for c in first[0].outputs]
+    _assert_matches_hf(again, tiny_llama_dir, [PROMPTS[2]], 2, 4)
 
 
 def test_max_model_len_caps_the_beams(tiny_llama_dir: Path) -> None:
@@ -146,8 +146,8 @@ def eos_model(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     return path, eos
 
 
-@pytest.mark.parametrize("early_stopping", [False, True])
-@pytest.mark.parametrize("length_penalty", [0.5, 2.0])
+@pytest.mark.parametrize(("length_penalty", "early_stopping"), [(0.5, False), (2.0, False),
+                                                                 (0.5, True)])
 def test_eos_and_length_penalty_rank_hypotheses_like_transformers(
     eos_model: tuple[Path, int], length_penalty: float, early_stopping: bool
 ) -> None:
@@ -156,7 +156,9 @@ def test_eos_and_length_penalty_rank_hypotheses_like_transformers(
     outs = beam_search(llm, PROMPTS, beam_width=2, max_tokens=MAX_NEW,
                        length_penalty=length_penalty, early_stopping=early_stopping)
     _assert_matches_hf(outs, path, PROMPTS, 2, MAX_NEW, eos, length_penalty, early_stopping)
-    assert any(c.finish_reason == "stop" for o in outs for c in o.outputs)
+    stops = [c for o in outs for c in o.outputs if c.finish_reason == "stop"]
+    if length_penalty < 1:  # short EOS hypotheses win; a penalty of 2 ranks them out
+        assert stops
     assert llm.stats()["kv_blocks_used"] == 0
 
 
