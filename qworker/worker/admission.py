@@ -1,18 +1,51 @@
 """Admission control sized to the KV pool.
 
-The worker takes a job from its source only while the engine's free blocks, minus
-what its waiting prompts (and prompts just submitted) still need, exceed a small
-buffer, and fewer than ``max_inflight`` jobs are inside the worker. That keeps the
-pool near full without a preemption storm: decode growth is covered by the buffer.
+A prepared job enters the engine only while
+
+1. the engine's free blocks, minus what its waiting prompts (and prompts just
+   submitted) still need, minus a small buffer, can hold the new prompt; and
+2. the *peak* number of blocks the admitted jobs will hold together, if each runs to
+   its ``max_tokens`` from where it is now, stays within the pool minus the buffer.
+
+(1) keeps the pool full; (2) keeps decode growth from forcing preemptions. The peak
+in (2) comes from a small projection: every running sequence grows one token per
+engine step and frees its blocks when it ends, so demand peaks just before one of
+them finishes. A job's progress is estimated from the engine steps since it was
+submitted; jobs that stop early at EOS only make the projection conservative.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+
+import numpy as np
+
+# Expected output tokens of a job without max_tokens (it runs until EOS or max_model_len).
+UNBOUNDED_OUTPUT_GUESS = 256
+
+
+@dataclass(slots=True)
+class Growth:
+    """One admitted job as admission projects it: tokens now, tokens still to come."""
+
+    prompt_tokens: int
+    max_output: int
+    n: int
+    start_step: int
+
+    def final_blocks(self, block_size: int) -> int:
+        """Blocks the job holds at its last token (prompt blocks counted per sequence)."""
+        return self.n * math.ceil((self.prompt_tokens + self.max_output) / block_size)
+
+    def at(self, step: int) -> tuple[int, int]:
+        """(current tokens, remaining tokens) per sequence at engine step ``step``."""
+        generated = min(self.max_output, max(0, step - self.start_step - 1))
+        return self.prompt_tokens + generated, self.max_output - generated
 
 
 class Admission:
-    """Decides how many more jobs to pull from the source right now.
+    """Decides how many jobs to pull from the source and which may enter the engine.
 
     ``buffer_blocks`` None picks ~2% of the pool (at least 2 blocks).
     """
@@ -21,6 +54,15 @@ class Admission:
         self.max_inflight = max_inflight
         self.buffer_blocks = buffer_blocks
         self._avg_prompt_blocks = 1.0
+        self.final_sum = 0  # sum of final_blocks of the admitted jobs
+
+    def admitted(self, job: Growth, block_size: int) -> None:
+        """Account for a job that entered the engine."""
+        self.final_sum += job.final_blocks(block_size)
+
+    def released(self, job: Growth, block_size: int) -> None:
+        """Account for a job that left the engine."""
+        self.final_sum -= job.final_blocks(block_size)
 
     def buffer_for(self, stats: dict) -> int:
         """The reserve in blocks for this pool."""
@@ -35,10 +77,10 @@ class Admission:
         return free - waiting - pending_blocks - self.buffer_for(stats)
 
     def room(self, stats: dict, pending_blocks: int, inflight: int) -> int:
-        """How many jobs to ask the source for now (0 = admit nothing).
+        """How many messages to ask the source for now (0 = none).
 
         Uses a running average of prompt sizes to turn the block budget into a count,
-        and always allows one job into an idle engine so a huge prompt cannot stall.
+        and always allows one job into an idle worker so a huge prompt cannot stall.
         """
         slots = self.max_inflight - inflight
         if slots <= 0:
@@ -47,6 +89,57 @@ class Admission:
         if budget <= 0:
             return 1 if inflight == 0 else 0
         return max(1, min(slots, math.floor(budget / self._avg_prompt_blocks)))
+
+    @staticmethod
+    def growth(
+        prompt_tokens: int, max_tokens: int | None, n: int, max_model_len: int, start_step: int
+    ) -> Growth:
+        """The projection record of a job about to be submitted at ``start_step``."""
+        room = max(1, max_model_len - prompt_tokens)
+        output = min(max_tokens if max_tokens is not None else UNBOUNDED_OUTPUT_GUESS, room)
+        return Growth(prompt_tokens, output, n, start_step)
+
+    @staticmethod
+    def peak_blocks(jobs: list[Growth], step: int, block_size: int) -> int:
+        """Most blocks the jobs' sequences will hold at once from ``step`` on.
+
+        Evaluated just before each sequence ends (demand only grows in between), with
+        each sequence's own block rounding: one vectorized pass over alive x moments.
+        """
+        seqs = [job.at(step) for job in jobs for _ in range(job.n)]
+        if not seqs:
+            return 0
+        cur, rem = np.array(seqs, dtype=np.int64).T
+        order = np.argsort(-rem, kind="stable")
+        cur, rem = cur[order], rem[order]
+        moments = np.maximum(rem - 1, 0)  # moment k: sequences 0..k are alive
+        tokens = cur[None, :] + moments[:, None]
+        blocks = -(-tokens // block_size)  # ceil
+        alive = np.tri(len(seqs), dtype=bool)
+        return int((blocks * alive).sum(axis=1).max())
+
+    def fits(
+        self,
+        stats: dict,
+        pending_blocks: int,
+        prompt_blocks: int,
+        admitted: list[Growth],
+        candidate: Growth,
+        step: int,
+        block_size: int,
+    ) -> bool:
+        """Whether ``candidate`` may enter now, next to the ``admitted`` jobs.
+
+        An idle engine always takes the next job, so no job can stall the queue.
+        """
+        if not admitted:
+            return True
+        if self.free_budget(stats, pending_blocks) < prompt_blocks:
+            return False
+        limit = int(stats.get("num_kv_blocks", 0)) - self.buffer_for(stats)
+        if self.final_sum + candidate.final_blocks(block_size) <= limit:
+            return True  # even all at their largest at once would fit
+        return self.peak_blocks([*admitted, candidate], step, block_size) <= limit
 
     def observe_prompt(self, n_tokens: int, block_size: int) -> None:
         """Feed one admitted prompt's length into the running average."""

@@ -26,13 +26,21 @@ class RunSummary:
     kv_usage_sum: float = 0.0
     kv_usage_time: float = 0.0
     kv_usage_peak: float = 0.0
+    kv_saturated_sum: float = 0.0
+    kv_saturated_time: float = 0.0
     drain_reason: str | None = None
 
-    def sample_kv(self, usage: float, dt: float) -> None:
-        """Add ``dt`` seconds at pool usage ``usage`` (0..1) to the time average."""
+    def sample_kv(self, usage: float, dt: float, saturated: bool = False) -> None:
+        """Add ``dt`` seconds at pool usage ``usage`` (0..1) to the time averages.
+
+        ``saturated``: jobs were waiting at the admission gate (the pool was the limit).
+        """
         self.kv_usage_sum += usage * dt
         self.kv_usage_time += dt
         self.kv_usage_peak = max(self.kv_usage_peak, usage)
+        if saturated:
+            self.kv_saturated_sum += usage * dt
+            self.kv_saturated_time += dt
 
     @property
     def elapsed(self) -> float:
@@ -43,6 +51,13 @@ class RunSummary:
     def kv_usage_mean(self) -> float:
         """Time-averaged KV pool usage while requests were in the engine (0..1)."""
         return self.kv_usage_sum / self.kv_usage_time if self.kv_usage_time else 0.0
+
+    @property
+    def kv_usage_saturated(self) -> float | None:
+        """Time-averaged usage while jobs waited for pool space; None if they never did."""
+        if not self.kv_saturated_time:
+            return None
+        return self.kv_saturated_sum / self.kv_saturated_time
 
     def text(self) -> str:
         """A few human lines for stderr."""
@@ -73,6 +88,9 @@ class RunSummary:
             "generation_tokens": self.generation_tokens,
             "kv_usage_mean": round(self.kv_usage_mean, 4),
             "kv_usage_peak": round(self.kv_usage_peak, 4),
+            "kv_usage_saturated": (
+                None if self.kv_usage_saturated is None else round(self.kv_usage_saturated, 4)
+            ),
             "num_preemptions": self.num_preemptions,
             "drain_reason": self.drain_reason,
         }

@@ -30,7 +30,7 @@ from qworker.schema import (
     result_key,
     success_record,
 )
-from qworker.worker.admission import Admission
+from qworker.worker.admission import Admission, Growth
 from qworker.worker.drain import DrainControl, DrainReason
 from qworker.worker.engine_thread import EngineLike, EngineThread
 from qworker.worker.metrics import WorkerMetrics
@@ -75,6 +75,7 @@ class InFlightJob:
     msg: Message
     job: Job
     request_id: str
+    growth: Growth
     abort_reason: AbortReason | None = None
     error: str | None = None
 
@@ -232,18 +233,25 @@ class Worker:
         return len(prompt.encode("utf-8"))  # never fewer tokens than bytes/1; exact for echo
 
     def _admit_ready(self) -> None:
-        """Submit prepared jobs while the KV pool can take their prompts."""
+        """Submit prepared jobs while the KV pool can take them (see ``admission``)."""
         while self._ready:
             item = self._ready[0]
+            params = item.job.params
             need = max(1, math.ceil(item.n_tokens / self._block_size))
+            step = self._thread.steps
+            growth = self.admission.growth(
+                item.n_tokens, params.max_tokens, params.n, self.engine.max_model_len, step
+            )
+            admitted = [entry.growth for entry in self._inflight.values()]
             stats = self.engine.stats()
-            budget = self.admission.free_budget(stats, self._thread.pending_blocks)
-            if self._inflight and budget - need < 0:
+            if not self.admission.fits(
+                stats, self._thread.pending_blocks, need, admitted, growth, step, self._block_size
+            ):
                 return
             self._ready.popleft()
-            self._submit(item)
+            self._submit(item, growth)
 
-    def _submit(self, item: _Ready) -> None:
+    def _submit(self, item: _Ready, growth: Growth) -> None:
         msg, job = item.msg, item.job
         if job.deadline is not None and job.deadline <= time.time():
             exc = BatchExpiredError(f"deadline {job.deadline:.0f} passed before the job started")
@@ -256,7 +264,8 @@ class Worker:
             self._finish_error(msg, job.custom_id, job.batch_id, exc, job.metadata)
             return
         self.admission.observe_prompt(item.n_tokens, self._block_size)
-        self._inflight[request_id] = InFlightJob(msg, job, request_id)
+        self._inflight[request_id] = InFlightJob(msg, job, request_id, growth)
+        self.admission.admitted(growth, self._block_size)
         self._by_message[msg.message_id] = request_id
         self.metrics.inflight.set(self.busy)
         log.debug("admitted as %s", request_id, extra=_ids(job.custom_id, msg))
@@ -269,6 +278,7 @@ class Worker:
             entry = self._inflight.pop(out.request_id, None)
             if entry is None:
                 continue
+            self.admission.released(entry.growth, self._block_size)
             self._by_message.pop(entry.msg.message_id, None)
             self.metrics.observe_output(out)
             self._complete(entry, out)
@@ -428,7 +438,9 @@ class Worker:
         uncommitted = getattr(self.source, "uncommitted_count", None)
         self.metrics.uncommitted.set(uncommitted() if callable(uncommitted) else self.busy)
         if stats.get("num_requests_running", 0) or stats.get("num_requests_waiting", 0):
-            self.summary.sample_kv(float(stats.get("kv_cache_usage_perc", 0.0)), dt)
+            self.summary.sample_kv(
+                float(stats.get("kv_cache_usage_perc", 0.0)), dt, saturated=bool(self._ready)
+            )
         self.summary.prompt_tokens = int(stats.get("prompt_tokens", 0))
         self.summary.generation_tokens = int(stats.get("generation_tokens", 0))
         self.summary.num_preemptions = int(stats.get("num_preemptions", 0))
@@ -462,6 +474,7 @@ class Worker:
             self.summary.abandoned += 1
             await self.source.abandon(entry.msg)
         self._inflight.clear()
+        self.admission.final_sum = 0
         if self._tasks:
             budget = 2.0 if self.drain.immediate.is_set() else max(10.0, 0.0)
             _, pending = await asyncio.wait(set(self._tasks), timeout=budget)

@@ -34,3 +34,25 @@ def test_room_converts_blocks_to_jobs_and_respects_max_inflight() -> None:
     assert adm.room(_stats(41, 0), 0, inflight=0) == 6
     assert adm.room(_stats(1000, 0), 0, inflight=4) == 2
     assert adm.room(_stats(1000, 0), 0, inflight=6) == 0
+
+
+def test_peak_projection_counts_blocks_freed_by_sequences_that_end_first() -> None:
+    short = Admission.growth(16, 16, 1, 1024, start_step=0)
+    long = Admission.growth(16, 48, 1, 1024, start_step=0)
+    assert short.final_blocks(16) + long.final_blocks(16) == 6
+    # short ends at 32 tokens (2 blocks) while long holds 2; long alone peaks at 4 blocks.
+    assert Admission.peak_blocks([short, long], step=0, block_size=16) == 4
+    # 20 steps later, short is done generating 16 of its 16 tokens.
+    assert short.at(20) == (32, 0) and long.at(20) == (35, 29)
+
+
+def test_fits_refuses_a_job_whose_growth_would_overflow_the_pool() -> None:
+    adm = Admission(max_inflight=100, buffer_blocks=0)
+    running = Admission.growth(64, 64, 1, 1024, start_step=0)  # 8 blocks at the end
+    adm.admitted(running, 16)
+    stats = _stats(free=6, waiting=0, total=10)
+    small = Admission.growth(16, 16, 1, 1024, start_step=0)  # ends long before running peaks
+    assert adm.fits(stats, 0, 1, [running], small, step=0, block_size=16)
+    big = Admission.growth(16, 64, 1, 1024, start_step=0)  # 5 blocks at the end
+    assert not adm.fits(stats, 0, 1, [running], big, step=0, block_size=16)
+    assert adm.fits(stats, 0, 1, [], big, step=0, block_size=16)  # idle engine: always
