@@ -78,14 +78,13 @@ def llama_tensors(shape: dict[str, Any], layer: int | None) -> dict[str, tuple[i
 
 
 def make_model(folder: Path, shape: dict[str, Any], dtype: torch.dtype, seed: int = 0) -> Path:
-    """Write config.json and random safetensors shards (one per 4 layers) into ``folder``."""
+    """Write random safetensors shards (one per 4 layers), then config.json, into ``folder``."""
     from safetensors.torch import save_file
     from transformers import LlamaConfig
 
     folder.mkdir(parents=True, exist_ok=True)
     config = LlamaConfig(**shape, tie_word_embeddings=False, torch_dtype=str(dtype).split(".")[1])
     config.architectures = ["LlamaForCausalLM"]
-    config.save_pretrained(str(folder))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device=device).manual_seed(seed)
     groups: list[list[int | None]] = [[None]]
@@ -101,6 +100,7 @@ def make_model(folder: Path, shape: dict[str, Any], dtype: torch.dtype, seed: in
                     t = torch.randn(dims, generator=gen, device=device).mul_(0.02).to(dtype)
                 shard[name] = t.cpu()
         save_file(shard, str(folder / f"model-{n:05d}-of-{len(groups):05d}.safetensors"))
+    config.save_pretrained(str(folder))  # last: a folder with config.json is complete
     return folder
 
 

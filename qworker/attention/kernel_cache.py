@@ -89,6 +89,7 @@ class KernelCache:
 
     def __init__(self) -> None:
         self._kernels: dict[tuple[str, str, int], Any] = {}
+        self._modules: list[Any] = []  # keeps each loaded module alive beside its kernel
         self._streams: dict[tuple[int, int], Any] = {}
         self._lock = threading.Lock()
 
@@ -118,6 +119,7 @@ class KernelCache:
                     index,
                     time.perf_counter() - started,
                 )
+                self._modules.append(module)
                 self._kernels[key] = kernel
         return kernel
 

@@ -58,17 +58,19 @@ def make_batch(
     width = max(blocks_per_seq) + 2
     tables = torch.zeros(n, width, dtype=torch.int32)
     shape = (num_blocks, num_kv_heads, block_size, head_dim)
-    key_cache = torch.full(shape, float("nan"))
-    value_cache = torch.full(shape, float("nan"))
+    key_cache = torch.randn(shape, generator=gen)
+    value_cache = torch.randn(shape, generator=gen)
+    used = torch.zeros(num_blocks, block_size, dtype=torch.bool)
     k = 0
     for s, length in enumerate(seq_lens):
-        for b in range(blocks_per_seq[s]):
-            blk = perm[k]
-            k += 1
-            tables[s, b] = blk
-            rows = min(block_size, length - b * block_size)
-            key_cache[blk, :, :rows] = torch.randn(num_kv_heads, rows, head_dim, generator=gen)
-            value_cache[blk, :, :rows] = torch.randn(num_kv_heads, rows, head_dim, generator=gen)
+        nb = blocks_per_seq[s]
+        tables[s, :nb] = torch.tensor(perm[k : k + nb], dtype=torch.int32)
+        k += nb
+        pos = torch.arange(length)
+        used[tables[s, pos // block_size].long(), pos % block_size] = True
+    # [blocks, heads, B, D] -> [blocks, B, heads, D] so the [blocks, B] mask selects rows
+    key_cache.transpose(1, 2)[~used] = float("nan")
+    value_cache.transpose(1, 2)[~used] = float("nan")
     slots: list[int] = []
     for s, (q_len, length) in enumerate(zip(q_lens, seq_lens, strict=True)):
         for pos in range(length - q_len, length):
