@@ -33,3 +33,22 @@ def test_smollm2_gguf_logits_match_transformers(smollm2_gguf: Path) -> None:
     reference = hf_reference(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
     diff = paged_vs_hf_max_diff(loaded.model, reference, prompts, block_size=16, decode_steps=3)
     assert diff < 1e-3
+
+
+def test_fast_and_legacy_gguf_readers_agree(smollm2_gguf: Path) -> None:
+    import itertools
+
+    from qworker.models.gguf import _fast_reader, load_gguf_config, load_gguf_tensors
+
+    if _fast_reader() is None:
+        pytest.skip("this transformers has no fast GGUF header reader")
+    fast_config, fast_raw = load_gguf_config(smollm2_gguf)
+    legacy_config, legacy_raw = load_gguf_config(smollm2_gguf, fast=False)
+    assert fast_raw == legacy_raw
+    assert fast_config.to_dict() == legacy_config.to_dict()
+    # Embedding, a norm (f32) and layer 0's quantized, Q/K-permuted projections.
+    fast = load_gguf_tensors(smollm2_gguf, fast_config, fast_raw, torch.float32)
+    legacy = load_gguf_tensors(smollm2_gguf, legacy_config, legacy_raw, torch.float32, fast=False)
+    for (fast_name, fast_t), (legacy_name, legacy_t) in itertools.islice(zip(fast, legacy), 12):
+        assert fast_name == legacy_name
+        assert torch.equal(fast_t, legacy_t)
