@@ -26,8 +26,10 @@
 // CTA   : serves the GT query heads [kv_head * group + tile * GT, +GT) of one KV head, so every
 //   K/V row is loaded once for all of them (GQA). The query, pre-scaled by scale * log2(e), lives
 //   in registers as fp32. Tokens are processed in chunks of 256: pass 1 computes the GT logits
-//   of every token (dot products reduced across the thread group with shuffles) into shared
-//   memory; then one warp per head takes the chunk max, turns logits into exp2(logit - max),
+//   of every token into shared memory [token][head] (the GT partial dot products of a token are
+//   summed over its thread group by a split reduction: GT - 1 shuffles halve the head list
+//   lane pair by lane pair, then log2(TG / GT) butterfly steps, if any, finish the sums);
+//   then one warp per head takes the chunk max, turns logits into exp2(logit - max),
 //   and rescales the running sum (online softmax across chunks, fp32); pass 2 reads V rows and
 //   accumulates p * v into per-thread fp32 registers. At the end the partial accumulators of
 //   all thread groups are summed (shuffles within a warp, shared memory across warps).
@@ -36,9 +38,10 @@
 //   max (log2 domain) and sum to part_out / part_max / part_sum [work, q_head, max_parts(, D)],
 //   and paged_attention_reduce merges them with log-sum-exp weights.
 //
-// Reference: qworker.attention.torch_ref.TorchAttentionBackend.forward (the oracle of
-// tests/attention/test_cuda_backend.py, which runs every dtype / head size / block size /
-// GQA ratio, split on and off, partly filled last blocks, sliding windows).
+// Reference: qworker.attention.torch_ref.TorchAttentionBackend.forward, the oracle of
+// tests/attention/test_cuda_backend.py: on a GPU every dtype / head size / block size / GQA
+// ratio, split on and off, partly filled last blocks, sliding windows, contexts to 32k; on the
+// CPU this very source through the emulator of tests/attention/emulator.
 //
 // No headers are included: 16-bit conversions are inline PTX, so NVRTC needs no include path.
 
@@ -174,6 +177,31 @@ __host__ __device__ constexpr int next_pow2_capped(int n) {
   return n > 16 ? 32 : n > 8 ? 16 : n > 4 ? 8 : n > 2 ? 4 : n > 1 ? 2 : 1;
 }
 
+__host__ __device__ constexpr int ilog2(int n) { return n <= 1 ? 0 : 1 + ilog2(n / 2); }
+
+// Split steps of the thread-group reduction of GT partial dot products: at step K the lanes
+// of each pair (lane, lane ^ O) hold the same list of N = GT >> K heads; the lower lane keeps
+// the first half and receives its partner's first half, the upper lane the second halves.
+// One shuffle per kept value halves the list, so GT heads cost GT - 1 shuffles instead of
+// GT * log2(TG). `lo` accumulates the first head of the lane's list.
+template <int GT, int TG, int K>
+__device__ __forceinline__ void split_steps(float (&v)[GT], int lane, int& lo) {
+  constexpr int N = GT >> K;
+  constexpr int O = TG >> (K + 1);
+  if constexpr (N > 1 && O > 0) {
+    constexpr int HALF = N / 2;
+    const bool upper = (lane & O) != 0;
+#pragma unroll
+    for (int i = 0; i < HALF; ++i) {
+      const float send = upper ? v[i] : v[i + HALF];
+      const float keep = upper ? v[i + HALF] : v[i];
+      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, O);
+    }
+    if (upper) lo += HALF;
+    split_steps<GT, TG, K + 1>(v, lane, lo);
+  }
+}
+
 }  // namespace qw
 
 template <int DT, int HEAD_DIM, int GT>
@@ -204,8 +232,10 @@ __global__ void __launch_bounds__(qw::kThreads, 2) paged_attention_decode(
   constexpr int U = CPL >= 4 ? 1 : 4 / CPL;        // batches per iteration (loads in flight)
   constexpr int TOK_STEP = TPW * U;                // tokens per warp per iteration
   constexpr int RED = kWarps * HEAD_DIM > kChunk ? kWarps * HEAD_DIM : kChunk;
+  constexpr int SPLIT = ilog2(GT) < ilog2(TG) ? ilog2(GT) : ilog2(TG);  // split reduce steps
+  constexpr int NF = GT >> SPLIT;                  // heads per lane after the split steps
 
-  __shared__ float s_buf[GT * RED];                       // logits / probs, then the reduction
+  __shared__ float s_buf[GT * RED];  // logits / probs [token][head], then the reduction
   __shared__ long long s_base[kChunk / kMinBlockSize + 1];  // element offset of each block's head
   __shared__ float s_m[GT], s_l[GT], s_alpha[GT];
 
@@ -308,15 +338,20 @@ __global__ void __launch_bounds__(qw::kThreads, 2) paged_attention_decode(
             for (int e = 0; e < VEC; ++e) dot[i] = fmaf(q[i][j][e], f[e], dot[i]);
           }
         }
+        // Reduce across the thread group: split steps on the high lane bits leave each lane
+        // NF = GT >> SPLIT heads [lo, lo + NF); plain butterfly steps on the low bits finish
+        // the sums, and the lanes whose low bits are zero write them.
+        int lo = 0;
+        split_steps<GT, TG, 0>(dot, lig, lo);
 #pragma unroll
-        for (int i = 0; i < GT; ++i) {
+        for (int o = (TG >> SPLIT) / 2; o > 0; o >>= 1) {
 #pragma unroll
-          for (int o = TG / 2; o > 0; o >>= 1) dot[i] += __shfl_xor_sync(0xffffffffu, dot[i], o);
+          for (int i = 0; i < NF; ++i) dot[i] += __shfl_xor_sync(0xffffffffu, dot[i], o);
         }
         const int t = t0 + u * TPW + gw;
-        if (t < clen && lig == 0) {
+        if (t < clen && (lig & ((TG >> SPLIT) - 1)) == 0) {
 #pragma unroll
-          for (int i = 0; i < GT; ++i) s_buf[i * kChunk + t] = dot[i];
+          for (int i = 0; i < NF; ++i) s_buf[t * GT + lo + i] = dot[i];
         }
       }
     }
@@ -325,14 +360,14 @@ __global__ void __launch_bounds__(qw::kThreads, 2) paged_attention_decode(
     // Softmax bookkeeping: one warp per head, fp32, log2 domain.
     for (int i = warp; i < GT; i += kWarps) {
       float mx = QW_NEG_INF;
-      for (int t = lane; t < clen; t += 32) mx = fmaxf(mx, s_buf[i * kChunk + t]);
+      for (int t = lane; t < clen; t += 32) mx = fmaxf(mx, s_buf[t * GT + i]);
       mx = warp_max(mx);
       const float m_old = s_m[i];
       const float m_new = fmaxf(m_old, mx);
       float sum = 0.f;
       for (int t = lane; t < clen; t += 32) {
-        const float p = exp2f(s_buf[i * kChunk + t] - m_new);
-        s_buf[i * kChunk + t] = p;
+        const float p = exp2f(s_buf[t * GT + i] - m_new);
+        s_buf[t * GT + i] = p;
         sum += p;
       }
       sum = warp_sum(sum);
@@ -384,7 +419,7 @@ __global__ void __launch_bounds__(qw::kThreads, 2) paged_attention_decode(
         const int ts = ok ? t : 0;  // never index shared memory out of range
         float p[GT];
 #pragma unroll
-        for (int i = 0; i < GT; ++i) p[i] = ok ? s_buf[i * kChunk + ts] : 0.f;
+        for (int i = 0; i < GT; ++i) p[i] = ok ? s_buf[ts * GT + i] : 0.f;
 #pragma unroll
         for (int j = 0; j < CPL; ++j) {
           float f[VEC];
