@@ -170,7 +170,7 @@ def _run(args: argparse.Namespace, settings: WorkerSettings) -> int:
 
     configure_logging(settings.log_level, settings.log_format)
     code, summary = asyncio.run(serve(settings))
-    print("qworker run summary\n" + summary.text(), file=sys.stderr)
+    print(f"qworker run summary (results in {settings.sink})\n{summary.text()}", file=sys.stderr)
     return code
 
 

@@ -164,7 +164,9 @@ class Worker:
             await self.sink.close()
             await self.source.close()
             self.metrics.ready = False
-            self.summary.finished = time.monotonic()
+            # An idle exit waited until_idle seconds for nothing: leave that out of the rates.
+            idle = self.drain.reason is DrainReason.IDLE
+            self.summary.finished = self._last_activity if idle else time.monotonic()
             self.summary.drain_reason = self.drain.reason.value if self.drain.reason else None
         return self.summary
 
