@@ -54,6 +54,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-inflight-jobs", type=int, default=d.max_inflight_jobs)
     p.add_argument("--sqs-visibility", type=int, default=d.sqs_visibility)
     p.add_argument("--sqs-max-receives", type=int, default=d.sqs_max_receives)
+    p.add_argument("--sqs-produce-chunk", type=int, default=d.sqs_produce_chunk,
+                   help="SQS: produce in chunks paced by queue depth (moto is O(depth))")
     p.add_argument("--work-dir", type=Path, default=None, help="keep logs here")
     p.add_argument("--json", action="store_true", help="print only the JSON line")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -71,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         lost_ack_rate=a.lost_ack_rate, kills=a.kills, drains=a.drains,
         broker_restarts=a.broker_restarts, poison=a.poison, delay_ms=a.delay_ms, model=a.model,
         max_inflight_jobs=a.max_inflight_jobs, sqs_visibility=a.sqs_visibility,
-        sqs_max_receives=a.sqs_max_receives, work_dir=a.work_dir,
+        sqs_max_receives=a.sqs_max_receives, sqs_produce_chunk=a.sqs_produce_chunk,
+        work_dir=a.work_dir,
     )
     report = run_campaign(cfg)
     if not a.json:

@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -61,6 +62,7 @@ class CampaignConfig:
     drain_seconds: float = 10.0
     sqs_visibility: int = 5
     sqs_max_receives: int = 6
+    sqs_produce_chunk: int = 200         # produce SQS jobs in chunks paced by queue depth
     work_dir: Path | None = None
     moto_url: str | None = None          # reuse a running moto (tests' fixture)
     kafka_bootstrap: str | None = None   # reuse a running broker (no broker restarts then)
@@ -90,6 +92,7 @@ class Report:
     drains: int = 0
     drain_bad_exits: int = 0
     drain_max_seconds: float = 0.0
+    drain_seconds: list[float] = field(default_factory=list)
     broker_restarts: int = 0
     worker_starts: int = 0
     worker_crashes: int = 0
@@ -184,6 +187,8 @@ class Campaign:
         self.jobs: JobSet = make_jobs(cfg.jobs, self.batch_id, self.rng, cfg.invalid_share,
                                       cfg.poison)
         self.source_uri = ""
+        self._trickle: threading.Thread | None = None
+        self._trickle_error: Exception | None = None
         self.dlq_url = ""
         self.queue_url = ""
 
@@ -249,20 +254,50 @@ class Campaign:
                              MessageBody=body.decode("utf-8", "replace"))
 
     def _produce(self, moto_url: str) -> None:
-        jobs_path = self.dir / "jobs.jsonl"
-        self.jobs.write(jobs_path)
         if self.cfg.queue == "kafka":
             asyncio.run(self._kafka_setup())
             self.source_uri = f"kafka://{self._bootstrap()}/{self.topic}?group={self.group}"
-            env: dict[str, str] = {}
+            self._produce_file(self.jobs.lines, "jobs.jsonl")
         else:
             self._sqs_setup(moto_url)
             self.source_uri = f"sqs://{self.queue_url}"
-            env = {"QWORKER_SQS_ENDPOINT_URL": moto_url}
-        _qworker(["produce", "-i", str(jobs_path), "--to", self.source_uri,
-                  "--batch-id", self.batch_id], env, self.dir / "produce.log")
+            size = self.cfg.sqs_produce_chunk
+            chunks = [self.jobs.lines[i:i + size] for i in range(0, len(self.jobs.lines), size)]
+            self._produce_file(chunks[0], "jobs-0.jsonl")
+            if len(chunks) > 1:
+                self._trickle = threading.Thread(target=self._trickle_produce,
+                                                 args=(chunks[1:], moto_url), daemon=True)
+                self._trickle.start()
         self.report.jobs_produced = len(self.jobs.lines)
         self.report.poison_produced = len(self.jobs.poison)
+
+    def _produce_file(self, lines: list[dict], name: str) -> None:
+        path = self.dir / name
+        JobSet(self.batch_id, lines).write(path)
+        env = {"QWORKER_SQS_ENDPOINT_URL": self.cfg.moto_url or (self.moto.url if self.moto
+                                                                  else "")}
+        _qworker(["produce", "-i", str(path), "--to", self.source_uri,
+                  "--batch-id", self.batch_id], env, self.dir / "produce.log")
+
+    def _trickle_produce(self, chunks: list[list[dict]], moto_url: str) -> None:
+        """Produce the remaining SQS chunks whenever the queue runs low.
+
+        moto's SQS scans every message of a queue on each call (O(depth)), so a queue
+        2,000 deep makes each call take seconds; pacing keeps the depth near one chunk.
+        """
+        sqs = _sqs(moto_url)
+        try:
+            for k, chunk in enumerate(chunks, start=1):
+                while True:
+                    attrs = sqs.get_queue_attributes(
+                        QueueUrl=self.queue_url,
+                        AttributeNames=["ApproximateNumberOfMessages"])["Attributes"]
+                    if int(attrs["ApproximateNumberOfMessages"]) < len(chunk) // 2:
+                        break
+                    time.sleep(0.5)
+                self._produce_file(chunk, f"jobs-{k}.jsonl")
+        except Exception as exc:  # surfaced by _run_fleet
+            self._trickle_error = exc
 
     def _worker_env(self, moto_url: str) -> dict[str, str]:
         assert self.proxy is not None
@@ -332,6 +367,8 @@ class Campaign:
                 last_count = count
             while plan and count >= plan[0][0] * expected and self._fire(plan[0][1]):
                 plan.pop(0)
+            if self._trickle_error is not None:
+                raise RuntimeError("producing jobs failed") from self._trickle_error
             if count >= expected and not plan:
                 break
             self.fleet.tick(want_workers=True)
@@ -422,8 +459,8 @@ class Campaign:
         r.idle_exits = sum(1 for i in incs if i.fate is Fate.EXITED and i.returncode == 0)
         drains = [i for i in incs if i.fate is Fate.DRAINED]
         r.drain_bad_exits = sum(1 for i in drains if i.returncode != 0)
-        r.drain_max_seconds = max(((i.ended_at or 0) - (i.signalled_at or 0) for i in drains),
-                                  default=0.0)
+        r.drain_seconds = [round((i.ended_at or 0) - (i.signalled_at or 0), 1) for i in drains]
+        r.drain_max_seconds = max(r.drain_seconds, default=0.0)
         received = self.fleet.metric_total("qworker_jobs_received_total")
         r.redeliveries = max(0, int(received) - r.jobs_produced - r.poison_produced)
         r.duplicates_reported_by_workers = int(self.fleet.metric_total(
