@@ -29,7 +29,8 @@ test-gpu:
 	python3 -m pytest -q -m gpu tests
 
 lint: venv
-	$(BIN)/ruff check .
+	# ruff, hadolint, shellcheck, yamllint, kustomize + kubernetes-validate, terraform fmt, checkov
+	bash scripts/lint.sh
 
 clean:
 	rm -rf $(VENV) results .pytest_cache

@@ -30,7 +30,7 @@ class TorchAttentionBackend(AttentionBackend):
         keep = slot_mapping >= 0
         if not bool(keep.all()):
             key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-        num_blocks, num_heads, block_size, head_dim = key_cache.shape
+        block_size = key_cache.shape[2]
         blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
         offsets = slot_mapping % block_size
         key_cache[blocks, :, offsets] = key.to(key_cache.dtype)
