@@ -204,6 +204,39 @@ def test_beams_share_prompt_blocks_copy_on_write_and_free_everything(
     assert greedy[0].outputs[0].token_ids == best[0].outputs[0].token_ids
 
 
+class _CheckedBeamSearch(BeamSearch):
+    """Checks the pool's reference counts against the live block tables before each forward."""
+
+    checks = 0
+
+    def _forward(self, seqs: list[Any], num_new: list[int]) -> torch.Tensor | None:
+        kv = self.kv
+        refs: dict[int, int] = {}
+        for table in kv.tables.values():
+            for block in table:
+                refs[block.block_id] = refs.get(block.block_id, 0) + 1
+        for block in kv.pool.blocks:
+            assert block.ref_cnt == refs.get(block.block_id, 0), block
+        assert kv.pool.num_used_blocks == len(refs)
+        for seq in seqs:  # every slot the forward writes is private to its sequence
+            table = kv.tables[seq.seq_id]
+            assert len(table) * kv.block_size >= seq.num_computed_tokens + 1
+            assert table[seq.num_computed_tokens // kv.block_size].ref_cnt == 1
+        self.checks += 1
+        return super()._forward(seqs, num_new)
+
+
+def test_block_accounting_stays_exact_through_forks_drops_and_eos(
+    eos_model: tuple[Path, int],
+) -> None:
+    path, _ = eos_model
+    llm = _llm(path, block_size=8, num_kv_blocks=16, max_model_len=64, max_num_batched_tokens=8)
+    search = _CheckedBeamSearch(llm.engine, beam_width=3, max_tokens=12, length_penalty=0.5)
+    outs = search.run(PROMPTS)
+    assert search.checks >= 12 and all(len(o.outputs) == 3 for o in outs)
+    assert llm.engine.kv.pool.num_used_blocks == 0 and not llm.engine.kv.tables
+
+
 def test_text_is_detokenized_without_the_eos(tiny_chat_model_dir: Path) -> None:
     llm = _llm(tiny_chat_model_dir, block_size=16)
     out = llm.beam_search("Hello there", beam_width=2, max_tokens=4, ignore_eos=True)[0]
