@@ -70,6 +70,7 @@ class _BeamRequest:
     prefill: Sequence | None = None
     beams: list[Sequence] = field(default_factory=list)
     scores: torch.Tensor | None = None
+    best_score: torch.Tensor | None = None
     finished: list[Hypothesis] = field(default_factory=list)
     num_generated: int = 0
     done: bool = False
@@ -290,11 +291,14 @@ class BeamSearch:
         flat = log_probs.reshape(-1)
         k = min(self.num_candidates, flat.numel())
         top_vals, top_idx = torch.topk(flat, k)
+        # One device-to-host copy each; the ranking arithmetic below runs in fp32 on the
+        # host exactly as transformers does it on a CPU.
+        vals_host, idx_host = top_vals.cpu(), top_idx.cpu()
         gen_len = r.num_generated + 1
-        penalized = (top_vals / (gen_len**self.length_penalty)).tolist()
-        vals = top_vals.tolist()
-        parents = (top_idx // vocab).tolist()
-        tokens = (top_idx % vocab).tolist()
+        penalized = (vals_host / (gen_len**self.length_penalty)).tolist()
+        vals = vals_host.tolist()
+        parents = (idx_host // vocab).tolist()
+        tokens = (idx_host % vocab).tolist()
         at_limit = gen_len >= r.max_new
         self.engine.generation_tokens += len(r.beams)
         keep: list[int] = []
@@ -317,6 +321,7 @@ class BeamSearch:
             r.request.metrics.first_token_time = time.time()
         r.num_generated = gen_len
         self._advance(r, [(parents[j], tokens[j]) for j in keep], top_vals[keep])
+        r.best_score = vals_host[keep[:1]]
         r.done = not r.beams or self._cannot_improve(r)
 
     def _cannot_improve(self, r: _BeamRequest) -> bool:
@@ -329,7 +334,7 @@ class BeamSearch:
             best_len = r.max_new
         else:
             best_len = r.num_generated
-        best_running = (r.scores[:1] / (best_len**self.length_penalty)).item()  # type: ignore[index]
+        best_running = (r.best_score / (best_len**self.length_penalty)).item()  # type: ignore[operator]
         return not best_running > r.finished[-1].score
 
     def _advance(self, r: _BeamRequest, kept: list[tuple[int, int]],
