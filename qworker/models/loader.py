@@ -12,6 +12,7 @@ import importlib.util
 import json
 import logging
 import os
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,7 @@ import torch
 from qworker.errors import ModelLoadError
 from qworker.models.base import CausalLM, ModelSpec
 from qworker.models.registry import model_class, resolve_architecture
-from qworker.models.sources import PICKLE_SUFFIXES, resolve_source
+from qworker.models.sources import PICKLE_SUFFIXES, default_cache_dir, resolve_source
 
 logger = logging.getLogger(__name__)
 
@@ -228,18 +229,16 @@ def load_tokenizer(
     """The model's transformers tokenizer, or None when ``path`` carries no tokenizer files.
 
     Accepts what ``load_model`` accepts (pass ``LoadedModel.source`` to avoid a second
-    download); a GGUF model's tokenizer comes from the GGUF metadata.
+    download). A GGUF model's tokenizer is built from the GGUF metadata, which takes
+    seconds, so the result is saved under ``cache_dir`` (default ``~/.cache/qworker/
+    models``) and reused; an unwritable cache only costs the rebuild.
     """
     from transformers import AutoTokenizer
 
     local = resolve_source(path, cache_dir, s3_endpoint_url)
     gguf = _find_gguf(local)
     if gguf is not None and not any((gguf.parent / f).exists() for f in _TOKENIZER_FILES):
-        try:
-            return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        except Exception as exc:
-            logger.warning("no usable tokenizer in %s: %s", gguf, exc)
-            return None
+        return _gguf_tokenizer(gguf, cache_dir or default_cache_dir())
     folder = gguf.parent if gguf is not None else local
     if not any((folder / f).exists() for f in _TOKENIZER_FILES):
         return None
@@ -247,3 +246,30 @@ def load_tokenizer(
         return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
     except Exception as exc:
         raise ModelLoadError(f"cannot load the tokenizer in {folder}: {exc}") from exc
+
+
+def _gguf_tokenizer(gguf: Path, cache_dir: Path) -> Any | None:
+    from transformers import AutoTokenizer
+
+    stat = gguf.stat()
+    cached = cache_dir / "gguf-tokenizers" / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    if (cached / "tokenizer.json").exists():
+        try:
+            return AutoTokenizer.from_pretrained(str(cached))
+        except Exception as exc:  # a damaged cache entry: rebuild it below
+            logger.warning("ignoring cached tokenizer %s: %s", cached, exc)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except Exception as exc:
+        logger.warning("no usable tokenizer in %s: %s", gguf, exc)
+        return None
+    tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
+    try:
+        tokenizer.save_pretrained(str(tmp))
+        if cached.exists():
+            shutil.rmtree(cached)
+        tmp.rename(cached)
+    except OSError as exc:
+        logger.debug("cannot cache the GGUF tokenizer in %s: %s", cached, exc)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tokenizer

@@ -18,7 +18,9 @@ def smollm2_gguf(smollm2_dir: Path) -> Path:
     return next(smollm2_dir.glob("*.gguf"))
 
 
-def test_smollm2_gguf_logits_match_transformers(smollm2_gguf: Path) -> None:
+def test_smollm2_gguf_logits_match_transformers(smollm2_gguf: Path, smollm2_hf_dir: Path) -> None:
+    # The reference holds transformers' own dequantization of the same GGUF
+    # (``smollm2_hf_dir`` is that, converted once and cached).
     loaded = load_model(smollm2_gguf.parent, torch.float32, "cpu")
     assert loaded.spec.architecture == "LlamaForCausalLM"
     assert loaded.spec.vocab_size == 49152
@@ -30,7 +32,7 @@ def test_smollm2_gguf_logits_match_transformers(smollm2_gguf: Path) -> None:
         tokenizer.encode("The capital of France is"),
         tokenizer.encode("def fibonacci(n):\n    "),
     ]
-    reference = hf_reference(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+    reference = hf_reference(smollm2_hf_dir)
     diff = paged_vs_hf_max_diff(loaded.model, reference, prompts, block_size=16, decode_steps=3)
     assert diff < 1e-3
 
@@ -49,6 +51,8 @@ def test_fast_and_legacy_gguf_readers_agree(smollm2_gguf: Path) -> None:
     # Embedding, a norm (f32) and layer 0's quantized, Q/K-permuted projections.
     fast = load_gguf_tensors(smollm2_gguf, fast_config, fast_raw, torch.float32)
     legacy = load_gguf_tensors(smollm2_gguf, legacy_config, legacy_raw, torch.float32, fast=False)
-    for (fast_name, fast_t), (legacy_name, legacy_t) in itertools.islice(zip(fast, legacy), 12):
+    for (fast_name, fast_t), (legacy_name, legacy_t) in itertools.islice(
+        zip(fast, legacy, strict=True), 12
+    ):
         assert fast_name == legacy_name
         assert torch.equal(fast_t, legacy_t)
