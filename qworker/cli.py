@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import importlib
 import importlib.util
+import logging
 import sys
 import threading
 import types
@@ -170,7 +171,12 @@ def _run(args: argparse.Namespace, settings: WorkerSettings) -> int:
 
     configure_logging(settings.log_level, settings.log_format)
     code, summary = asyncio.run(serve(settings))
-    print(f"qworker run summary (results in {settings.sink})\n{summary.text()}", file=sys.stderr)
+    if settings.log_format == "json":
+        logging.getLogger("qworker.cli").info("qworker run summary", extra=summary.as_dict())
+    else:
+        print(
+            f"qworker run summary (results in {settings.sink})\n{summary.text()}", file=sys.stderr
+        )
     return code
 
 

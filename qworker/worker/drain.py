@@ -10,10 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import threading
 from enum import Enum
 
 log = logging.getLogger(__name__)
+
+# After a second signal the worker aborts, abandons and exits within seconds; if
+# something (a hung network close) holds it longer, the process ends hard. Nothing
+# unfinished was acked, so a hard exit loses nothing.
+HARD_EXIT_AFTER_S = 15.0
 
 
 class DrainReason(Enum):
@@ -53,6 +60,9 @@ class DrainControl:
         if self.draining.is_set():
             log.warning("second signal %s: stopping at once", name)
             self.request_immediate(DrainReason.SIGNAL)
+            timer = threading.Timer(HARD_EXIT_AFTER_S, os._exit, args=(1,))
+            timer.daemon = True
+            timer.start()
         else:
             log.warning("signal %s: draining", name)
             self.request(DrainReason.SIGNAL)

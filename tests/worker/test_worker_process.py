@@ -237,3 +237,34 @@ def test_spot_interruption_notice_starts_a_drain(tmp_path: Path) -> None:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_second_sigterm_stops_at_once_without_acking_unfinished_work(tmp_path: Path) -> None:
+    ids = _jobs(tmp_path)
+    proc = _start(tmp_path, "echo://?delay_ms=40&steps=100000", "--drain-seconds", "120")
+    until = time.monotonic() + 30
+    while "serving jobs" not in _log(tmp_path) and time.monotonic() < until:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    assert proc.poll() is None  # draining: waits for in-flight work (up to 120 s)
+    proc.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    assert _finish(proc, 30) == 0, _log(tmp_path)
+    assert time.monotonic() - sent < 10
+    assert read_results(tmp_path / "out") == {}
+    assert acked_lines(tmp_path / "jobs.jsonl.progress") == set()
+    assert len(ids) == N_JOBS and "second signal SIGTERM: stopping at once" in _log(tmp_path)
+
+
+def test_json_log_format_writes_one_object_per_line_with_job_ids(tmp_path: Path) -> None:
+    write_spool(tmp_path / "jobs.jsonl", [chat_job("j1"), "not json"])
+    proc = _start(tmp_path, "echo://", "--until-idle", "0.3", "--log-format", "json")
+    assert _finish(proc) == 0, _log(tmp_path)
+    records = [json.loads(line) for line in _log(tmp_path).splitlines() if line.strip()]
+    job_lines = [r for r in records if r.get("message_id")]
+    assert {"file:1", "file:2"} <= {r["message_id"] for r in job_lines}
+    assert any(r.get("custom_id") == "j1" for r in job_lines)
+    summary = [r for r in records if r["msg"] == "qworker run summary"]
+    assert summary and summary[0]["completed"] == "{'success': 1}"
