@@ -27,12 +27,10 @@ class JsonFormatter(logging.Formatter):
         }
         for key, value in vars(record).items():
             if key not in _STD_ATTRS and not key.startswith("_"):
-                out[key] = (
-                    value if isinstance(value, str | int | float | bool | None) else str(value)
-                )
+                out[key] = value
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, ensure_ascii=False)
+        return json.dumps(out, ensure_ascii=False, default=str)
 
 
 class TextFormatter(logging.Formatter):

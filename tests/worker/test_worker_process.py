@@ -267,4 +267,4 @@ def test_json_log_format_writes_one_object_per_line_with_job_ids(tmp_path: Path)
     assert {"file:1", "file:2"} <= {r["message_id"] for r in job_lines}
     assert any(r.get("custom_id") == "j1" for r in job_lines)
     summary = [r for r in records if r["msg"] == "qworker run summary"]
-    assert summary and summary[0]["completed"] == "{'success': 1}"
+    assert summary and summary[0]["completed"] == {"success": 1}
