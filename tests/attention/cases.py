@@ -58,8 +58,10 @@ def make_batch(
     width = max(blocks_per_seq) + 2
     tables = torch.zeros(n, width, dtype=torch.int32)
     shape = (num_blocks, num_kv_heads, block_size, head_dim)
-    key_cache = torch.randn(shape, generator=gen)
-    value_cache = torch.randn(shape, generator=gen)
+    # the pool is drawn where it lives: large pools on a GPU would be slow to draw on the host
+    dev_gen = torch.Generator(device=device).manual_seed(seed)
+    key_cache = torch.randn(shape, generator=dev_gen, device=device)
+    value_cache = torch.randn(shape, generator=dev_gen, device=device)
     used = torch.zeros(num_blocks, block_size, dtype=torch.bool)
     k = 0
     for s, length in enumerate(seq_lens):
@@ -69,8 +71,9 @@ def make_batch(
         pos = torch.arange(length)
         used[tables[s, pos // block_size].long(), pos % block_size] = True
     # [blocks, heads, B, D] -> [blocks, B, heads, D] so the [blocks, B] mask selects rows
-    key_cache.transpose(1, 2)[~used] = float("nan")
-    value_cache.transpose(1, 2)[~used] = float("nan")
+    unused = (~used).to(device)
+    key_cache.transpose(1, 2)[unused] = float("nan")
+    value_cache.transpose(1, 2)[unused] = float("nan")
     slots: list[int] = []
     for s, (q_len, length) in enumerate(zip(q_lens, seq_lens, strict=True)):
         for pos in range(length - q_len, length):
