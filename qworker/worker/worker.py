@@ -47,6 +47,8 @@ _PROGRESS_INTERVAL_S = 10.0
 _ABORT_WAIT_S = 5.0
 _MAX_STEP_FAILURES = 3
 _MAX_RECEIVE = 64
+_MAX_RECEIVE_FAILURES = 8
+_MAX_SINK_FAILURES = 5
 
 
 class AbortReason(Enum):
@@ -118,6 +120,8 @@ class Worker:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._progress = asyncio.Event()
         self._step_failures = 0
+        self._receive_failures = 0
+        self._sink_failures = 0
         self._last_activity = time.monotonic()
         self._block_size = int(engine.stats().get("block_size", 16))
         tokenizer = getattr(engine, "tokenizer", None)
@@ -183,7 +187,7 @@ class Worker:
             if room == 0:
                 await self._wait_progress(0.05)
                 continue
-            msgs = await self.source.receive(min(room, _MAX_RECEIVE), _RECEIVE_TIMEOUT_S)
+            msgs = await self._receive(min(room, _MAX_RECEIVE))
             if msgs and self.drain.draining.is_set():
                 for msg in msgs:
                     self._spawn(self.source.abandon(msg))
@@ -199,6 +203,28 @@ class Worker:
             ):
                 log.info("idle for %.1fs with nothing in flight: stopping", until_idle)
                 self.drain.request(DrainReason.IDLE)
+
+    async def _receive(self, max_messages: int) -> list[Message]:
+        """``source.receive`` that rides out transient failures, then gives up (exit 1)."""
+        try:
+            msgs = await self.source.receive(max_messages, _RECEIVE_TIMEOUT_S)
+        except Exception as exc:  # the source could not reconnect by itself
+            self._receive_failures += 1
+            log.error("source receive failed (%d in a row): %s", self._receive_failures, exc)
+            if self._receive_failures >= _MAX_RECEIVE_FAILURES:
+                self._fail("source keeps failing")
+            else:
+                await asyncio.sleep(min(5.0, 0.2 * 2**self._receive_failures))
+            self._last_activity = time.monotonic()  # an unreachable source is not idle
+            return []
+        self._receive_failures = 0
+        return msgs
+
+    def _fail(self, why: str) -> None:
+        """Stop with exit code 1 after a graceful drain (finished work is still stored)."""
+        log.error("%s: stopping", why)
+        self.exit_code = 1
+        self.drain.request(DrainReason.FATAL)
 
     def _prepare(self, msg: Message) -> None:
         """Parse and tokenize one message; queue it for the admission gate or record it."""
@@ -335,8 +361,13 @@ class Worker:
         except Exception as exc:  # unstored: leave it for redelivery
             log.error("sink put failed, job left unacked: %s", exc, extra=_ids(custom_id, msg))
             self.summary.sink_failures += 1
+            self._sink_failures += 1
             await self.source.abandon(msg)
+            if self._sink_failures >= _MAX_SINK_FAILURES:
+                # Redelivering to a sink that keeps failing would spin the queue forever.
+                self._fail(f"{self._sink_failures} sink writes failed in a row")
             return
+        self._sink_failures = 0
         self.metrics.sink_put_seconds.observe(time.monotonic() - started)
         if not written:
             self.summary.duplicates += 1
@@ -382,6 +413,10 @@ class Worker:
             self.drain.request_immediate(DrainReason.FATAL)
 
     def _on_revoke(self, msgs: list[Message]) -> None:
+        revoked = {msg.message_id for msg in msgs}
+        kept = [item for item in self._ready if item.msg.message_id not in revoked]
+        if len(kept) != len(self._ready):
+            self._ready = deque(kept)
         for msg in msgs:
             rid = self._by_message.get(msg.message_id)
             entry = self._inflight.get(rid) if rid else None

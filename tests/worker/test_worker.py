@@ -32,19 +32,35 @@ from tests.worker.jobs import (
 
 
 def _settings(tmp_path: Path, **kw: Any) -> WorkerSettings:
-    base = {"source": f"file://{tmp_path}/jobs.jsonl", "sink": f"file://{tmp_path}/out",
-            "model": "echo://", "until_idle": 0.3, "metrics_port": 0, "spot_metadata_url": ""}
+    base = {
+        "source": f"file://{tmp_path}/jobs.jsonl",
+        "sink": f"file://{tmp_path}/out",
+        "model": "echo://",
+        "until_idle": 0.3,
+        "metrics_port": 0,
+        "spot_metadata_url": "",
+    }
     return WorkerSettings(**{**base, **kw})
 
 
-def _run(tmp_path: Path, lines: list[Any], engine: Any = None, drain: DrainControl | None = None,
-         **kw: Any) -> Worker:
+def _run(
+    tmp_path: Path,
+    lines: list[Any],
+    engine: Any = None,
+    drain: DrainControl | None = None,
+    **kw: Any,
+) -> Worker:
     spool = write_spool(tmp_path / "jobs.jsonl", lines)
     settings = _settings(tmp_path, **kw)
 
     async def main() -> Worker:
-        worker = Worker(settings, engine or EchoEngine(), FileSource(spool),
-                        FileSink(tmp_path / "out"), drain=drain)
+        worker = Worker(
+            settings,
+            engine or EchoEngine(),
+            FileSource(spool),
+            FileSink(tmp_path / "out"),
+            drain=drain,
+        )
         await asyncio.wait_for(worker.run(), 30)
         return worker
 
@@ -83,9 +99,15 @@ def test_invalid_jobs_get_error_records_and_the_worker_keeps_going(tmp_path: Pat
     worker = _run(tmp_path, lines, engine=EchoEngine(max_model_len=64))
     results = read_results(tmp_path / "out")
     codes = {cid: (r["error"] or {}).get("code") for cid, r in results.items()}
-    assert codes == {"ok1": None, "ok2": None, "bad-url": "invalid_request",
-                     "bad-temp": "invalid_request", "bad-tools": "invalid_request",
-                     "too-long": "context_length_exceeded", "expired": "batch_expired"}
+    assert codes == {
+        "ok1": None,
+        "ok2": None,
+        "bad-url": "invalid_request",
+        "bad-temp": "invalid_request",
+        "bad-tools": "invalid_request",
+        "too-long": "context_length_exceeded",
+        "expired": "batch_expired",
+    }
     assert results["too-long"]["error"]["message"] == "prompt is 100 tokens; max_model_len is 64"
     dlq = [json.loads(x) for x in (tmp_path / "jobs.jsonl.dlq").read_text().splitlines()]
     assert [d["message_id"] for d in dlq] == ["file:2", "file:3", "file:4"]
@@ -143,8 +165,7 @@ def test_drain_abandons_unfinished_jobs_without_acking(tmp_path: Path) -> None:
     async def main() -> Worker:
         spool = write_spool(tmp_path / "jobs.jsonl", lines)
         settings = _settings(tmp_path, until_idle=None, drain_seconds=0.3)
-        worker = Worker(settings, slow, FileSource(spool), FileSink(tmp_path / "out"),
-                        drain=drain)
+        worker = Worker(settings, slow, FileSource(spool), FileSink(tmp_path / "out"), drain=drain)
         await asyncio.gather(worker.run(), trigger())
         return worker
 
@@ -167,8 +188,12 @@ def test_admission_keeps_waiting_work_within_the_pool(tmp_path: Path) -> None:
         return real_step()
 
     engine.step = step  # type: ignore[method-assign]
-    _run(tmp_path, [completion_job(f"a{i}", "y" * 40) for i in range(10)], engine=engine,
-         admission_buffer_blocks=2)
+    _run(
+        tmp_path,
+        [completion_job(f"a{i}", "y" * 40) for i in range(10)],
+        engine=engine,
+        admission_buffer_blocks=2,
+    )
     assert len(read_results(tmp_path / "out")) == 10
     assert 1 <= peak <= 2
 
@@ -181,24 +206,40 @@ def test_metrics_endpoint_exposes_the_design_names(tmp_path: Path) -> None:
         settings = _settings(tmp_path)
 
         async def main() -> None:
-            worker = Worker(settings, EchoEngine(), FileSource(spool), FileSink(tmp_path / "out"),
-                            metrics=metrics)
+            worker = Worker(
+                settings,
+                EchoEngine(),
+                FileSource(spool),
+                FileSink(tmp_path / "out"),
+                metrics=metrics,
+            )
             await worker.run()
 
         assert _get(port, "/readyz")[0] == 503  # not loaded yet
         asyncio.run(main())
         code, text = _get(port, "/metrics")
         assert code == 200 and _get(port, "/healthz")[0] == 200
-        for name in ["qworker_num_requests_running", "qworker_num_requests_waiting",
-                     "qworker_kv_cache_usage_perc", "qworker_num_preemptions_total",
-                     "qworker_prompt_tokens_total", "qworker_generation_tokens_total",
-                     "qworker_prefix_cache_hits_total", "qworker_time_to_first_token_seconds",
-                     "qworker_e2e_request_latency_seconds", "qworker_jobs_received_total",
-                     "qworker_jobs_completed_total", "qworker_jobs_duplicate_total",
-                     "qworker_jobs_dead_lettered_total", "qworker_inflight_jobs",
-                     "qworker_uncommitted_offsets", "qworker_sink_put_seconds",
-                     "qworker_sink_retries_total", "qworker_draining",
-                     "qworker_spot_interruptions_total"]:
+        for name in [
+            "qworker_num_requests_running",
+            "qworker_num_requests_waiting",
+            "qworker_kv_cache_usage_perc",
+            "qworker_num_preemptions_total",
+            "qworker_prompt_tokens_total",
+            "qworker_generation_tokens_total",
+            "qworker_prefix_cache_hits_total",
+            "qworker_time_to_first_token_seconds",
+            "qworker_e2e_request_latency_seconds",
+            "qworker_jobs_received_total",
+            "qworker_jobs_completed_total",
+            "qworker_jobs_duplicate_total",
+            "qworker_jobs_dead_lettered_total",
+            "qworker_inflight_jobs",
+            "qworker_uncommitted_offsets",
+            "qworker_sink_put_seconds",
+            "qworker_sink_retries_total",
+            "qworker_draining",
+            "qworker_spot_interruptions_total",
+        ]:
             assert f"\n{name}" in text, name
         assert 'qworker_jobs_completed_total{status="success"} 1.0' in text
         assert "qworker_jobs_dead_lettered_total 1.0" in text
@@ -215,3 +256,52 @@ def _get(port: int, path: str) -> tuple[int, str]:
             return resp.status, resp.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode()
+
+
+class _BrokenSink(FileSink):
+    async def put(self, key: str, body: bytes) -> bool:
+        raise OSError("disk on fire")
+
+
+def test_a_sink_that_keeps_failing_stops_the_worker_with_exit_1_and_nothing_acked(
+    tmp_path: Path,
+) -> None:
+    spool = write_spool(tmp_path / "jobs.jsonl", [chat_job(f"f{i}") for i in range(8)])
+
+    async def main() -> Worker:
+        worker = Worker(
+            _settings(tmp_path, until_idle=None),
+            EchoEngine(),
+            FileSource(spool),
+            _BrokenSink(tmp_path / "out"),
+        )
+        await asyncio.wait_for(worker.run(), 30)
+        return worker
+
+    worker = asyncio.run(main())
+    assert worker.exit_code == 1 and worker.summary.drain_reason == "fatal"
+    assert acked_lines(tmp_path / "jobs.jsonl.progress") == set()
+
+
+class _FlakySource(FileSource):
+    fails = 3
+
+    async def receive(self, max_messages: int, timeout: float) -> list:
+        if self.fails:
+            self.fails -= 1
+            raise ConnectionError("broker unreachable")
+        return await super().receive(max_messages, timeout)
+
+
+def test_transient_receive_failures_are_ridden_out(tmp_path: Path) -> None:
+    spool = write_spool(tmp_path / "jobs.jsonl", [chat_job("r1")])
+
+    async def main() -> Worker:
+        worker = Worker(
+            _settings(tmp_path), EchoEngine(), _FlakySource(spool), FileSink(tmp_path / "out")
+        )
+        await asyncio.wait_for(worker.run(), 30)
+        return worker
+
+    worker = asyncio.run(main())
+    assert worker.exit_code == 0 and set(read_results(tmp_path / "out")) == {"r1"}
