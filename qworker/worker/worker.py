@@ -47,6 +47,7 @@ _PROGRESS_INTERVAL_S = 10.0
 _ABORT_WAIT_S = 5.0
 _MAX_STEP_FAILURES = 3
 _MAX_RECEIVE = 64
+_STORE_WAIT_S = 30.0  # finished results still being written (sink retries) at drain
 _MAX_RECEIVE_FAILURES = 8
 _MAX_SINK_FAILURES = 5
 
@@ -122,6 +123,7 @@ class Worker:
         self._step_failures = 0
         self._receive_failures = 0
         self._sink_failures = 0
+        self._kv_usage = 0.0
         self._last_activity = time.monotonic()
         self._block_size = int(engine.stats().get("block_size", 16))
         tokenizer = getattr(engine, "tokenizer", None)
@@ -465,11 +467,12 @@ class Worker:
                     sum(s.completed.values()),
                     self.busy,
                     s.generation_tokens,
-                    100 * self.metrics.kv_usage._value.get(),
+                    100 * self._kv_usage,
                 )
 
     def _sample_stats(self, dt: float) -> None:
         stats = self.engine.stats()
+        self._kv_usage = float(stats.get("kv_cache_usage_perc", 0.0))
         self.metrics.update_engine(stats)
         self.metrics.inflight.set(self.busy)
         uncommitted = getattr(self.source, "uncommitted_count", None)
@@ -488,6 +491,10 @@ class Worker:
         self.metrics.draining.set(1)
         self.metrics.ready = False
         reason = self.drain.reason
+        # Jobs still at the gate never started: hand them back first, for other workers.
+        while self._ready:
+            self.summary.abandoned += 1
+            await self.source.abandon(self._ready.popleft().msg)
         if self._inflight and not self.drain.immediate.is_set():
             log.info(
                 "draining: %d jobs in flight, up to %.0fs",
@@ -497,9 +504,6 @@ class Worker:
             until = time.monotonic() + self.settings.drain_seconds
             while self._inflight and time.monotonic() < until and not self.drain.immediate.is_set():
                 await self._wait_progress(0.1)
-        while self._ready:
-            self.summary.abandoned += 1
-            await self.source.abandon(self._ready.popleft().msg)
         for entry in self._inflight.values():
             if entry.abort_reason is None:
                 entry.abort_reason = AbortReason.DRAIN
@@ -513,7 +517,7 @@ class Worker:
         self._inflight.clear()
         self.admission.final_sum = 0
         if self._tasks:
-            budget = 2.0 if self.drain.immediate.is_set() else max(10.0, 0.0)
+            budget = 2.0 if self.drain.immediate.is_set() else _STORE_WAIT_S
             _, pending = await asyncio.wait(set(self._tasks), timeout=budget)
             for task in pending:
                 task.cancel()
