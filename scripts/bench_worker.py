@@ -11,7 +11,8 @@ Sources/sinks default to file:// under a temp dir; pass ``--source kafka://...``
 ``--sink s3://...`` (with the servers running and QWORKER_* endpoints set) to go through them.
 Prints a table and one JSON line. Never asserts on time.
 
-    python scripts/bench_worker.py [--jobs 2000] [--model-jobs 200] [--source URI --sink URI]
+    python scripts/bench_worker.py [--jobs 2000] [--model-jobs 120] [--saturate-jobs 400]
+                                   [--source URI --sink URI]
 """
 
 from __future__ import annotations
@@ -145,7 +146,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=2000, help="echo-engine jobs")
     parser.add_argument("--model-jobs", type=int, default=120, help="tiny-model jobs")
-    parser.add_argument("--saturate-jobs", type=int, default=160, help="saturating-queue jobs")
+    parser.add_argument("--saturate-jobs", type=int, default=400, help="saturating-queue jobs")
+    parser.add_argument("--pool-blocks", type=int, default=256, help="KV pool of that run")
     parser.add_argument("--source", help="source URI (default: a temp file:// spool)")
     parser.add_argument("--sink", help="sink URI (default: a temp file:// dir)")
     parser.add_argument("--skip-model", action="store_true", help="echo engine only")
@@ -187,13 +189,15 @@ def main() -> None:
             }
             sat_jobs = make_jobs(args.saturate_jobs, rng, 512, (32, 160), (32, 128))
             source, sink = _uris(args, tmp, "saturate")
-            s = asyncio.run(through_worker(tiny_engine(tmp, 96, 256), sat_jobs, source, sink))
+            s = asyncio.run(
+                through_worker(tiny_engine(tmp, args.pool_blocks, 256), sat_jobs, source, sink)
+            )
             done = sum(s.completed.values())
             preempt = s.num_preemptions / max(1, done)
             sat = s.kv_usage_saturated or 0.0
             rows.append(
                 (
-                    "saturating queue, 96-block pool",
+                    f"saturating queue, {args.pool_blocks}-block pool",
                     done,
                     s.elapsed,
                     f"KV {sat:.1%} while saturated ({s.kv_usage_mean:.1%} overall), "

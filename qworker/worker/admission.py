@@ -21,6 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# Projected peak allowed relative to the pool: above 1 trades a few preemptions for a
+# fuller pool (the projection assumes every job runs to max_tokens).
+OVERCOMMIT = 1.0
 # Expected output tokens of a job without max_tokens (it runs until EOS or max_model_len).
 UNBOUNDED_OUTPUT_GUESS = 256
 
@@ -136,7 +139,7 @@ class Admission:
             return True
         if self.free_budget(stats, pending_blocks) < prompt_blocks:
             return False
-        limit = int(stats.get("num_kv_blocks", 0)) - self.buffer_for(stats)
+        limit = int(OVERCOMMIT * int(stats.get("num_kv_blocks", 0))) - self.buffer_for(stats)
         if self.final_sum + candidate.final_blocks(block_size) <= limit:
             return True  # even all at their largest at once would fit
         return self.peak_blocks([*admitted, candidate], step, block_size) <= limit
