@@ -98,6 +98,8 @@ class SqsSource(Source):
         self.on_revoke = None
         #: Visibility extensions sent so far (for tests and metrics).
         self.heartbeats = 0
+        #: DeleteMessageBatch calls made so far (acks are batched up to 10 a call).
+        self.delete_calls = 0
         self._fifo = queue.endswith(".fifo")
         # Keyed by receipt handle: a message redelivered to us (an expired visibility)
         # is a second, separate delivery with its own handle.
@@ -111,6 +113,10 @@ class SqsSource(Source):
         self._poll_backoff_until = 0.0
         self._runner = BlockingRunner(4, "qworker-sqs")
         self._heartbeat_task: asyncio.Task[None] | None = None
+        self._deleter: asyncio.Task[None] | None = None
+        self._deletes: deque[tuple[Message, asyncio.Future[None]]] = deque()
+        self._delete_wakeup = asyncio.Event()
+        self._delete_busy = False
         self._closed = False
 
     async def _call(self, method: str, **kwargs: Any) -> Any:
@@ -134,6 +140,7 @@ class SqsSource(Source):
         if self.dlq_url is None:
             self.dlq_url = await self._redrive_target(attrs.get("RedrivePolicy"))
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="sqs-heartbeat")
+        self._deleter = asyncio.create_task(self._delete_loop(), name="sqs-delete")
         if int(attrs.get("ApproximateNumberOfMessages", "0")) > 0:
             self._ensure_poll(MAX_BATCH)
             with contextlib.suppress(TimeoutError):
@@ -265,16 +272,55 @@ class SqsSource(Source):
                 log.warning("sqs release after close failed: %r", exc)
 
     async def ack(self, msg: Message) -> None:
-        """Delete ``msg`` (its result is in the sink). A stale receipt is logged, not raised."""
+        """Delete ``msg`` (its result is in the sink); returns once SQS answered.
+
+        Deletes are batched (DeleteMessageBatch, up to 10) by one background task:
+        fewer calls under load, and never two delete calls racing on one queue. A
+        stale receipt is logged, not raised.
+        """
         self._inflight.pop(msg.handle.receipt_handle, None)
-        handle: SqsHandle = msg.handle
+        if self._deleter is None or self._deleter.done():
+            await self._delete_batch([msg])
+            return
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._deletes.append((msg, done))
+        self._delete_wakeup.set()
+        await done
+
+    async def _delete_loop(self) -> None:
+        while True:
+            await self._delete_wakeup.wait()
+            self._delete_wakeup.clear()
+            while self._deletes:
+                batch = [self._deletes.popleft() for _ in range(min(MAX_BATCH, len(self._deletes)))]
+                self._delete_busy = True
+                try:
+                    await self._delete_batch([m for m, _ in batch])
+                finally:
+                    self._delete_busy = False
+                    for _, done in batch:
+                        if not done.done():
+                            done.set_result(None)
+
+    async def _delete_batch(self, msgs: list[Message]) -> None:
+        entries = [
+            {"Id": str(n), "ReceiptHandle": m.handle.receipt_handle} for n, m in enumerate(msgs)
+        ]
+        self.delete_calls += 1
         try:
-            await self._call(
-                "delete_message", QueueUrl=self.queue_url, ReceiptHandle=handle.receipt_handle
+            resp = await self._call(
+                "delete_message_batch", QueueUrl=self.queue_url, Entries=entries
             )
         except Exception as exc:
+            log.warning("sqs delete of %d messages failed: %r", len(msgs), exc)
+            return
+        for failed in resp.get("Failed", []):
             # Expired receipt: another worker owns it now and will hit the sink's 412.
-            log.warning("sqs delete failed message_id=%s: %r", msg.message_id, exc)
+            log.warning(
+                "sqs delete refused message_id=%s: %s",
+                msgs[int(failed["Id"])].message_id,
+                failed.get("Message"),
+            )
 
     async def abandon(self, msg: Message) -> None:
         """Make ``msg`` visible again at once (visibility 0): redelivered, never deleted."""
@@ -336,6 +382,12 @@ class SqsSource(Source):
             self._closed = True  # a poll finishing from now on releases its own messages
         self._take_arrived()
         self._buffer.clear()
+        while self._deletes or self._delete_busy:  # acks handed to the deleter finish first
+            await asyncio.sleep(0.01)
+        if self._deleter is not None:
+            self._deleter.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._deleter
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -229,3 +229,25 @@ def test_start_returns_with_waiting_messages_ready_for_the_first_receive(
         await source.close()
 
     asyncio.run(go())
+
+
+def test_many_concurrent_acks_all_delete_in_batches(
+    moto_server: str, sqs_queue: Callable[..., QueueInfo]
+) -> None:
+    # One deleter sends DeleteMessageBatch calls one at a time: fewer calls, and no two
+    # deletes race (moto rewrites a queue's message list in DeleteMessage without a lock,
+    # so racing deletes can be lost there).
+    queue = sqs_queue(visibility=300)
+
+    async def go() -> None:
+        await _fill(moto_server, queue.url, 40)
+        source = _source(moto_server, queue.url)
+        await source.start()
+        msgs = await _receive_n(source, 40)
+        assert len(msgs) == 40
+        await asyncio.gather(*(source.ack(m) for m in msgs))
+        assert 4 <= source.delete_calls < 40
+        await source.close()
+
+    asyncio.run(go())
+    assert _counts(moto_server, queue.url) == (0, 0)
