@@ -55,23 +55,6 @@ def test_put_writes_once_and_second_put_is_a_duplicate(moto_server: str, s3_buck
     assert _get(moto_server, s3_bucket, "p/b/k.json") == b"first"
 
 
-def test_concurrent_puts_of_one_key_leave_exactly_one_winner(
-    moto_server: str, s3_bucket: str
-) -> None:
-    sink = _sink(moto_server, s3_bucket)
-
-    async def go() -> list[bool]:
-        try:
-            return list(await asyncio.gather(*(sink.put("race.json", b"%d" % i) for i in range(8))))
-        finally:
-            await sink.close()
-
-    results = asyncio.run(go())
-    assert results.count(True) == 1
-    winner = results.index(True)
-    assert _get(moto_server, s3_bucket, "race.json") == b"%d" % winner
-
-
 def test_put_retries_through_a_run_of_503_and_500(moto_server: str, s3_bucket: str) -> None:
     with FaultProxy(moto_server, seed=1) as proxy:
         proxy.fail_next(3, status=503)
