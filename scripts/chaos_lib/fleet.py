@@ -162,12 +162,17 @@ class Fleet:
         Work a killed worker left uncommitted is redelivered now and must be absorbed as
         duplicates; afterwards nothing may remain uncommitted.
         """
+        # Let signalled workers finish dying first: a SIGKILLed process is not reaped yet
+        # right after the signal, and a draining one may take its budget.
+        end = time.monotonic() + timeout
+        while time.monotonic() < end and any(
+                s.current and s.current.fate is not Fate.RUNNING and s.current.proc.poll() is None
+                for s in self.slots):
+            time.sleep(0.1)
         self.tick(want_workers=False)
         for slot in self.slots:
             inc = slot.current
             if inc is None or inc.proc.poll() is not None:
-                if inc is not None and inc.ended_at is None:
-                    self.tick(want_workers=False)
                 self._spawn(slot)
         self.wait_all(timeout)
 
