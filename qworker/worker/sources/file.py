@@ -153,6 +153,10 @@ class FileSource(Source):
         if self._is_done(line_no) or self._progress is None:
             return
         self._done.add(line_no)
+        # Keep memory bounded on long spools: fold the contiguous prefix into the watermark.
+        while self._done_through + 1 in self._done:
+            self._done_through += 1
+            self._done.discard(self._done_through)
         self._progress.write(f"{line_no}\n")
         self._progress.flush()
 

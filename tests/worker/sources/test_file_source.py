@@ -115,3 +115,19 @@ def test_factory_rejects_unknown_schemes() -> None:
     with pytest.raises(ValueError, match="must start with kafka://, sqs:// or file://"):
         source_scheme("http://x")
     assert isinstance(open_source("file:///tmp/x.jsonl", None), FileSource)  # type: ignore[arg-type]
+
+
+def test_acked_prefix_folds_into_a_watermark_in_memory(tmp_path: Path) -> None:
+    path = _spool(tmp_path, 5)
+
+    async def main() -> FileSource:
+        src = FileSource(path)
+        await src.start()
+        msgs = await _drain_source(src)
+        for m in (msgs[1], msgs[0], msgs[3]):
+            await src.ack(m)
+        await src.close()
+        return src
+
+    src = asyncio.run(main())
+    assert (src._done_through, src._done) == (2, {4})
