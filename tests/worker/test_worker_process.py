@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -131,6 +133,13 @@ def test_sigterm_drains_commits_only_finished_work_and_a_rerun_completes(tmp_pat
     ids = _jobs(tmp_path)
     proc = _start(tmp_path, SLOW_ECHO, "--max-inflight-jobs", "1", "--drain-seconds", "0.05")
     _wait_for_results(tmp_path, 4, proc)
+    port = re.search(r"metrics on http://0\.0\.0\.0:(\d+)/metrics", _log(tmp_path))
+    assert port, _log(tmp_path)
+    base = f"http://127.0.0.1:{port.group(1)}"
+    with urllib.request.urlopen(base + "/readyz", timeout=5) as resp:
+        assert resp.status == 200  # model loaded, not draining
+    with urllib.request.urlopen(base + "/metrics", timeout=5) as resp:
+        assert b"qworker_jobs_completed_total" in resp.read()
     sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     assert _finish(proc) == 0, _log(tmp_path)
