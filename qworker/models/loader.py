@@ -34,8 +34,9 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 class LoadedModel:
     """A model ready to run: the module, its spec, the local source path and HF config.
 
-    ``source`` is local even for s3:// or hub models (pass it to ``load_tokenizer``);
-    ``gguf_file`` names the GGUF file inside ``source`` when the weights came from one.
+    ``source`` is local even for s3:// or hub models: the model directory, or for a GGUF
+    model the ``.gguf`` file itself (pass it to ``load_tokenizer``; a directory may hold
+    several GGUFs). ``gguf_file`` is that file's name when the weights came from one.
     """
 
     model: CausalLM
@@ -108,7 +109,7 @@ def load_model(
         )
         model = _build(architecture, config, dtype, device)
         model.load_weights(load_gguf_tensors(gguf, config, raw_config, dtype))
-        source = gguf.parent
+        source = gguf
         gguf_name: str | None = gguf.name
     else:
         raw = _read_json(local / "config.json", what="config.json")
@@ -125,7 +126,9 @@ def load_model(
         source = local
         gguf_name = None
     model.eval()
-    model.spec.eos_token_ids = _eos_token_ids(source, config, gguf_name)
+    model.spec.eos_token_ids = _eos_token_ids(
+        local if gguf is None else gguf.parent, config, gguf_name
+    )
     logger.info(
         "loaded %s from %s (%d layers, %s, %s)",
         architecture,

@@ -21,12 +21,13 @@ def smollm2_gguf(smollm2_dir: Path) -> Path:
 def test_smollm2_gguf_logits_match_transformers(smollm2_gguf: Path, smollm2_hf_dir: Path) -> None:
     # The reference holds transformers' own dequantization of the same GGUF
     # (``smollm2_hf_dir`` is that, converted once and cached).
-    loaded = load_model(smollm2_gguf.parent, torch.float32, "cpu")
+    loaded = load_model(smollm2_gguf.parent, torch.float32, "cpu")  # the folder form
     assert loaded.spec.architecture == "LlamaForCausalLM"
     assert loaded.spec.vocab_size == 49152
     assert loaded.gguf_file == smollm2_gguf.name
     assert loaded.spec.eos_token_ids == [2]
-    tokenizer = load_tokenizer(loaded.source / smollm2_gguf.name)
+    assert loaded.source == smollm2_gguf
+    tokenizer = load_tokenizer(loaded.source)
     assert tokenizer is not None
     prompts = [
         tokenizer.encode("The capital of France is"),

@@ -158,3 +158,15 @@ def test_s3_model_is_downloaded_and_loads_like_the_local_copy(
     remote = _logits(uri, cache_dir=cache, s3_endpoint_url=moto_server)
     assert torch.equal(remote, _logits(tiny_llama_dir))
     assert (cache / s3_bucket / "models" / "tiny" / "config.json").exists()
+
+
+def test_directory_with_several_gguf_files_asks_for_the_file(tmp_path: Path) -> None:
+    (tmp_path / "m.Q4_1.gguf").write_bytes(b"GGUF")
+    (tmp_path / "m.Q8_0.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ModelLoadError, match="several GGUF files"):
+        load_model(tmp_path, torch.float32, "cpu")
+
+
+def test_a_file_that_is_not_gguf_is_refused(tiny_llama_dir: Path) -> None:
+    with pytest.raises(ModelLoadError, match=r"not a \.gguf"):
+        load_model(tiny_llama_dir / "config.json", torch.float32, "cpu")
