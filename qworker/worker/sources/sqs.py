@@ -3,7 +3,8 @@
 Delivery (DESIGN.md): at-least-once. A received message stays invisible for
 ``visibility_timeout`` seconds; a heartbeat task extends the visibility of every
 message still in flight every third of that, so a long job is never handed to a
-second worker. ``ack`` deletes the message (its result is in the sink);
+second worker. ``ack`` deletes the message (its result is in the sink; one
+background deleter batches acks into DeleteMessageBatch calls of up to 10);
 ``abandon`` sets its visibility to 0 so another worker (or this one) takes it at
 once; ``close`` abandons whatever is still in flight.
 
