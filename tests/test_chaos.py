@@ -70,3 +70,47 @@ def test_run_help_prints_for_the_campaign_flags(capsys: pytest.CaptureFixture[st
         main(["run", "--help"])
     assert exc.value.code == 0
     assert "--until-idle" in capsys.readouterr().out
+
+
+def test_worker_rides_out_a_ten_second_s3_outage(
+    tmp_path: Path, moto_server: str, s3_bucket: str
+) -> None:
+    """Regression: a worker gave up with exit 1 after 5 failed writes in a row.
+
+    With dozens of jobs in flight, five writes exhaust their retries within one retry
+    window (~3-6 s), so any S3 outage longer than that stopped every worker of a fleet
+    at once (found by ``scripts/chaos.py --s3-outages 1``). An outage of 10 s must be
+    ridden out: every job ends with its result and the worker exits 0.
+    """
+    import json
+    import os
+    import subprocess
+    import time
+
+    import boto3
+    from chaos_lib.proxy import ChaosProxy
+
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text("".join(
+        json.dumps({"custom_id": f"o-{i}", "url": "/v1/completions",
+                    "body": {"prompt": f"p{i}", "max_tokens": 2}}) + "\n" for i in range(40)))
+    proxy = ChaosProxy(moto_server, error_rate=1.0, seed=1)
+    proxy.start()
+    env = {**os.environ, "QWORKER_S3_ENDPOINT_URL": proxy.url, "QWORKER_METRICS_PORT": "0",
+           "QWORKER_SPOT_METADATA_URL": ""}
+    cmd = [sys.executable, "-m", "qworker", "run", "--source", f"file://{jobs}",
+           "--sink", f"s3://{s3_bucket}/out", "--model", "echo://", "--until-idle", "3"]
+    try:
+        with (tmp_path / "worker.log").open("wb") as log:
+            proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+            time.sleep(10)
+            proxy.configure(error_rate=0.0)
+            rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proxy.stop()
+    s3 = boto3.client("s3", endpoint_url=moto_server, region_name="us-east-1")
+    keys = [o["Key"] for o in s3.list_objects_v2(Bucket=s3_bucket).get("Contents", [])]
+    assert rc == 0, (tmp_path / "worker.log").read_text()[-2000:]
+    assert len(keys) == 40

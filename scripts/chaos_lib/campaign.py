@@ -52,6 +52,8 @@ class CampaignConfig:
     kills: int = 4
     drains: int = 2
     broker_restarts: int = 1
+    s3_outages: int = 0                  # windows where every S3 request fails
+    s3_outage_seconds: float = 15.0
     poison: int = 5
     invalid_share: float = 0.02
     delay_ms: int = 20                   # echo engine: sleep per step
@@ -94,6 +96,7 @@ class Report:
     drain_max_seconds: float = 0.0
     drain_seconds: list[float] = field(default_factory=list)
     broker_restarts: int = 0
+    s3_outages: int = 0
     worker_starts: int = 0
     worker_crashes: int = 0
     idle_exits: int = 0
@@ -131,7 +134,8 @@ class Report:
                 ("kills (SIGKILL)", self.kills), ("drains (SIGTERM)", self.drains),
                 ("drains not exiting 0", self.drain_bad_exits),
                 ("longest drain (s)", f"{self.drain_max_seconds:.1f}"),
-                ("broker restarts", self.broker_restarts), ("worker starts", self.worker_starts),
+                ("broker restarts", self.broker_restarts), ("S3 outages", self.s3_outages),
+                ("worker starts", self.worker_starts),
                 ("worker crashes", self.worker_crashes), ("idle exits", self.idle_exits),
                 ("redeliveries (>=)", self.redeliveries), ("final consumer lag", self.final_lag)]
         rows += [(f"fault {k}", v) for k, v in sorted(self.faults.items())]
@@ -189,6 +193,7 @@ class Campaign:
         self.source_uri = ""
         self._trickle: threading.Thread | None = None
         self._trickle_error: Exception | None = None
+        self._outage_ends: float | None = None
         self.dlq_url = ""
         self.queue_url = ""
 
@@ -319,13 +324,19 @@ class Campaign:
     # -- the run -------------------------------------------------------------------
     def _plan(self) -> list[tuple[float, str]]:
         cfg = self.cfg
-        kinds = ["kill"] * cfg.kills + ["drain"] * cfg.drains
+        kinds = ["kill"] * cfg.kills + ["drain"] * cfg.drains + ["outage"] * cfg.s3_outages
         if cfg.queue == "kafka" and self.broker is not None:
             kinds += ["broker"] * cfg.broker_restarts
         return sorted((self.rng.uniform(0.05, 0.85), k) for k in kinds)
 
     def _fire(self, kind: str) -> bool:
-        assert self.fleet is not None
+        assert self.fleet is not None and self.proxy is not None
+        if kind == "outage":
+            log.info("S3 outage for %.0f s", self.cfg.s3_outage_seconds)
+            self.proxy.configure(error_rate=1.0 - self.cfg.reset_rate)
+            self._outage_ends = time.monotonic() + self.cfg.s3_outage_seconds
+            self.report.s3_outages += 1
+            return True
         if kind == "broker":
             assert self.broker is not None
             log.info("restarting the broker")
@@ -367,9 +378,14 @@ class Campaign:
                 last_count = count
             while plan and count >= plan[0][0] * expected and self._fire(plan[0][1]):
                 plan.pop(0)
+            if self._outage_ends is not None and time.monotonic() >= self._outage_ends:
+                assert self.proxy is not None
+                self.proxy.configure(error_rate=cfg.s3_error_rate)
+                self._outage_ends = None
+                log.info("S3 outage over")
             if self._trickle_error is not None:
                 raise RuntimeError("producing jobs failed") from self._trickle_error
-            if count >= expected and not plan:
+            if count >= expected and not plan and self._outage_ends is None:
                 break
             self.fleet.tick(want_workers=True)
             time.sleep(0.3)
