@@ -1,7 +1,7 @@
 """Rotary position embeddings: one cos/sin table per model, indexed by token positions.
 
 The inverse frequencies come from ``transformers``' own RoPE initialisers, so every
-scaling type they define statically (default, linear, llama3, yarn, proportional)
+scaling type they define statically (default, linear, llama3, yarn)
 matches them bit for bit in fp32. Types whose frequencies depend on the current
 sequence length (``dynamic``, ``longrope``) are refused with a clear error rather than
 silently approximated.
@@ -16,7 +16,7 @@ from torch import nn
 
 from qworker.errors import ModelLoadError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
