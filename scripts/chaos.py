@@ -48,6 +48,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kills", type=int, default=d.kills)
     p.add_argument("--drains", type=int, default=d.drains)
     p.add_argument("--broker-restarts", type=int, default=d.broker_restarts)
+    p.add_argument("--double-terms", type=int, default=d.double_terms,
+                   help="SIGTERM a worker, then SIGTERM it again mid-drain")
     p.add_argument("--s3-outages", type=int, default=d.s3_outages,
                    help="windows in which every S3 request fails")
     p.add_argument("--s3-outage-seconds", type=float, default=d.s3_outage_seconds)
@@ -74,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         queue=a.queue, jobs=a.jobs, workers=a.workers, duration=a.duration, seed=a.seed,
         s3_error_rate=a.s3_error_rate, s3_latency=a.s3_latency, reset_rate=a.reset_rate,
         lost_ack_rate=a.lost_ack_rate, kills=a.kills, drains=a.drains,
-        broker_restarts=a.broker_restarts, s3_outages=a.s3_outages,
+        broker_restarts=a.broker_restarts, s3_outages=a.s3_outages, double_terms=a.double_terms,
         s3_outage_seconds=a.s3_outage_seconds, poison=a.poison, delay_ms=a.delay_ms, model=a.model,
         max_inflight_jobs=a.max_inflight_jobs, sqs_visibility=a.sqs_visibility,
         sqs_max_receives=a.sqs_max_receives, sqs_produce_chunk=a.sqs_produce_chunk,

@@ -52,6 +52,7 @@ class CampaignConfig:
     kills: int = 4
     drains: int = 2
     broker_restarts: int = 1
+    double_terms: int = 0                # SIGTERM, then a second SIGTERM mid-drain
     s3_outages: int = 0                  # windows where every S3 request fails
     s3_outage_seconds: float = 15.0
     poison: int = 5
@@ -92,6 +93,7 @@ class Report:
     valid_jobs_in_dlq: int = 0
     kills: int = 0
     drains: int = 0
+    double_terms: int = 0
     drain_bad_exits: int = 0
     drain_max_seconds: float = 0.0
     drain_seconds: list[float] = field(default_factory=list)
@@ -132,6 +134,7 @@ class Report:
                 ("poison in DLQ", self.poison_in_dlq),
                 ("valid jobs in DLQ", self.valid_jobs_in_dlq),
                 ("kills (SIGKILL)", self.kills), ("drains (SIGTERM)", self.drains),
+                ("drains cut by a 2nd SIGTERM", self.double_terms),
                 ("drains not exiting 0", self.drain_bad_exits),
                 ("longest drain (s)", f"{self.drain_max_seconds:.1f}"),
                 ("broker restarts", self.broker_restarts), ("S3 outages", self.s3_outages),
@@ -324,7 +327,8 @@ class Campaign:
     # -- the run -------------------------------------------------------------------
     def _plan(self) -> list[tuple[float, str]]:
         cfg = self.cfg
-        kinds = ["kill"] * cfg.kills + ["drain"] * cfg.drains + ["outage"] * cfg.s3_outages
+        kinds = ["kill"] * cfg.kills + ["drain"] * cfg.drains + ["outage"] * cfg.s3_outages \
+            + ["term2"] * cfg.double_terms
         if cfg.queue == "kafka" and self.broker is not None:
             kinds += ["broker"] * cfg.broker_restarts
         return sorted((self.rng.uniform(0.05, 0.85), k) for k in kinds)
@@ -347,7 +351,11 @@ class Campaign:
         if not live:
             return False
         slot = self.rng.choice(live)
-        if kind == "kill":
+        if kind == "term2":
+            log.info("SIGTERM twice worker %d", slot.index)
+            self.fleet.interrupt_drain(slot, self.rng.uniform(0.1, 1.0), self.rng.uniform(0.3, 2))
+            self.report.double_terms += 1
+        elif kind == "kill":
             log.info("SIGKILL worker %d", slot.index)
             self.fleet.kill(slot, restart_after=self.rng.uniform(0.3, 2.0))
             self.report.kills += 1

@@ -129,6 +129,21 @@ class Fleet:
             os.kill(inc.proc.pid, signal.SIGKILL)
         slot.restart_at = time.monotonic() + restart_after
 
+    def interrupt_drain(self, slot: Slot, after: float, restart_after: float) -> None:
+        """SIGTERM, then a second SIGTERM ``after`` s later (exit at once, mid-drain).
+
+        Counted like a kill: the exit code of an interrupted drain is not checked.
+        """
+        inc = slot.current
+        assert inc is not None
+        self._scrape(inc)
+        inc.fate, inc.signalled_at = Fate.KILLED, time.monotonic()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(inc.proc.pid, signal.SIGTERM)
+            time.sleep(after)
+            os.kill(inc.proc.pid, signal.SIGTERM)
+        slot.restart_at = time.monotonic() + restart_after
+
     def drain(self, slot: Slot) -> None:
         """SIGTERM the slot's worker; it restarts once it has exited."""
         inc = slot.current
