@@ -19,8 +19,12 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# The worker path on its embedded defaults: file:// spool examples/requests.jsonl in,
+# file:// sink ./results out, the bundled SmolLM2 on CPU; exits once idle for 5 s.
+# The spool remembers progress, so start from a clean slate to see output every time.
 run: venv
-	$(BIN)/qworker generate -i examples/requests.jsonl -o results/results.jsonl --model smollm2
+	rm -rf results examples/requests.jsonl.progress examples/requests.jsonl.dlq
+	$(BIN)/qworker run --until-idle 5
 
 test: venv
 	$(BIN)/python -m pytest -q tests

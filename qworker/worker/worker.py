@@ -145,6 +145,8 @@ class Worker:
         if hasattr(self.sink, "on_retry"):
             self.sink.on_retry = lambda *_: self.metrics.sink_retries.inc()
         await self.source.start()
+        # Joining a consumer group can take seconds: that wait is not idle time.
+        self._last_activity = time.monotonic()
         self._thread.start()
         helpers = [
             asyncio.create_task(self._stats_loop()),
