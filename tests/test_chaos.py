@@ -46,6 +46,7 @@ def _assert_books_balance(report: Report) -> None:
     assert report.drain_bad_exits == 0
     assert report.kills == 1 and report.drains == 1
     assert report.final_lag == 0
+    assert report.collect_mismatches == 0
 
 
 def test_kafka_campaign_loses_and_duplicates_nothing(

@@ -104,6 +104,7 @@ class Report:
     idle_exits: int = 0
     redeliveries: int = 0
     final_lag: int | None = None
+    collect_mismatches: int = 0
     faults: dict[str, int] = field(default_factory=dict)
     wall_seconds: float = 0.0
     samples: dict[str, list[str]] = field(default_factory=dict)
@@ -114,7 +115,8 @@ class Report:
         """True when every job has exactly one valid result and drains exited 0."""
         return (self.missing == 0 and self.duplicates == 0 and self.invalid == 0
                 and self.unexpected == 0 and self.drain_bad_exits == 0
-                and self.poison_in_dlq >= self.poison_produced)
+                and self.poison_in_dlq >= self.poison_produced
+                and self.collect_mismatches == 0)
 
     def as_json(self) -> str:
         """One JSON line with every figure."""
@@ -140,7 +142,8 @@ class Report:
                 ("broker restarts", self.broker_restarts), ("S3 outages", self.s3_outages),
                 ("worker starts", self.worker_starts),
                 ("worker crashes", self.worker_crashes), ("idle exits", self.idle_exits),
-                ("redeliveries (>=)", self.redeliveries), ("final consumer lag", self.final_lag)]
+                ("redeliveries (>=)", self.redeliveries), ("final consumer lag", self.final_lag),
+                ("qworker collect mismatches", self.collect_mismatches)]
         rows += [(f"fault {k}", v) for k, v in sorted(self.faults.items())]
         rows += [("wall time (s)", f"{self.wall_seconds:.1f}"), ("RESULT", "OK" if self.ok
                                                                  else "FAILED")]
@@ -459,6 +462,31 @@ class Campaign:
                     valid += 1
         self.report.valid_jobs_in_dlq = valid
 
+    def _collect(self, moto_url: str) -> None:
+        """``qworker collect`` must give one line per job: results and errors apart."""
+        out, err = self.dir / "collected.jsonl", self.dir / "collected-errors.jsonl"
+        _qworker(["collect", "--from", f"s3://{RESULTS_BUCKET}/{self.prefix}",
+                  "--batch-id", self.batch_id, "-o", str(out), "--errors", str(err)],
+                 {"QWORKER_S3_ENDPOINT_URL": moto_url}, self.dir / "collect.log")
+        got: dict[str, str] = {}
+        bad = 0
+        for path, kind in ((out, "ok"), (err, "error")):
+            if not path.exists():
+                continue
+            for line in path.read_text(encoding="utf-8").splitlines():
+                rec = json.loads(line)
+                cid = rec.get("custom_id")
+                if cid in got:
+                    bad += 1
+                got[cid] = "ok" if rec.get("error") is None else "error"
+                if got[cid] != kind:
+                    bad += 1
+        for cid, want in self.jobs.expected.items():
+            if got.get(cid) != ("ok" if want == "ok" else "error"):
+                bad += 1
+        bad += len(set(got) - set(self.jobs.expected))
+        self.report.collect_mismatches = bad
+
     def _books(self, moto_url: str) -> CheckResult:
         from qworker.schema import result_key
 
@@ -472,6 +500,7 @@ class Campaign:
                                           ("duplicates", check.duplicates),
                                           ("invalid", check.invalid),
                                           ("unexpected", check.unexpected)) if v}
+        self._collect(moto_url)
         if self.cfg.queue == "kafka":
             asyncio.run(self._kafka_books())
         else:
