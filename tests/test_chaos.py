@@ -19,7 +19,8 @@ pytest.importorskip("boto3")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
-from chaos_lib.campaign import CampaignConfig, Report, run_campaign
+from chaos_lib.campaign import CampaignConfig, run_campaign
+from chaos_lib.report import Report
 
 pytestmark = pytest.mark.slow
 
