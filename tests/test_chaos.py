@@ -1,10 +1,11 @@
-"""The reduced fault campaign (scripts/chaos.py) for Kafka and for SQS.
+"""The reduced fault campaign (scripts/chaos.py) for Kafka and for SQS, and regressions.
 
-A few hundred jobs through two echo-engine workers in one group while one is
+150 jobs (and 3 poison messages) through two echo-engine workers while one is
 SIGKILLed, one SIGTERMed (drain) and S3 answers 5xx, resets connections and drops
 the answers of successful writes. Afterwards every job must have exactly one valid
 result object, poison messages must be in the dead-letter target, and nothing may
-be left uncommitted. The full campaign and its figures: docs/reliability.md.
+be left uncommitted, and ``qworker collect`` must agree. Below them, regression tests
+for defects the campaign found. The full campaign and its figures: docs/reliability.md.
 """
 
 from __future__ import annotations
