@@ -2,7 +2,8 @@
 
 Pool sizing: ``num_kv_blocks`` if given; else ``kv_cache_memory`` bytes (CPU default
 1 GiB); else on a GPU, ``gpu_memory_utilization`` x device memory minus the weights and
-the activation peak measured by a profiling forward at ``max_num_batched_tokens``. A
+the activation peak measured by a profiling forward at ``max_num_batched_tokens``.
+A memory-derived pool is capped at ``2 * max_num_seqs`` full-length sequences. A
 pool that cannot hold one ``max_model_len`` sequence is refused with the largest
 ``max_model_len`` that would fit.
 """
@@ -112,6 +113,13 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     first_blocks = config.num_kv_blocks or probe_blocks
     runner = ModelRunner(loaded.model, spec, device, bs, first_blocks, backend)
     num_blocks = plan_num_blocks(config, runner, max_model_len)
+    if config.num_kv_blocks is None:
+        # Beyond every running sequence at full length twice over, blocks only serve the
+        # prefix cache; millions of them (a tiny model on a big GPU) cost startup time.
+        cap = 2 * config.max_num_seqs * blocks_per_seq
+        if num_blocks > cap:
+            logger.info("KV pool capped at %d blocks (memory allowed %d)", cap, num_blocks)
+            num_blocks = cap
     if num_blocks != first_blocks:
         runner.reallocate_pool(num_blocks)
     if num_blocks < blocks_per_seq:
