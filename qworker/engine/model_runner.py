@@ -10,6 +10,7 @@ the rows that sample.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -157,7 +158,7 @@ class ModelRunner:
         for i, t in enumerate(step.block_tables):
             tables[i, : len(t)] = t
         input_ids = np.fromiter(
-            (tok for chunk in step.token_chunks for tok in chunk), dtype=np.int64, count=num_tokens
+            itertools.chain.from_iterable(step.token_chunks), dtype=np.int64, count=num_tokens
         )
         # position of each query token = its sequence's context length + its offset in the chunk
         seq_of_token = np.repeat(np.arange(num_seqs), q_lens)

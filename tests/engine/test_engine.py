@@ -185,3 +185,22 @@ def test_generate_validates_every_prompt_before_running_any(tiny_llama_dir: Path
     (out,) = llm.generate([[5, 6]], SamplingParams(max_tokens=2, ignore_eos=True),
                           use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 2
+
+
+def test_cpu_pool_is_sized_from_kv_cache_memory_and_capped(tiny_llama_dir: Path) -> None:
+    # tiny llama: 2 layers x 2 kv heads x 16 head_dim x 16 tokens x 4 bytes x (K+V) = 8 KiB
+    sized = Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu",
+                                max_model_len=64, kv_cache_memory=100 * 8192))
+    assert sized.stats()["num_kv_blocks"] == 100
+    assert sized.stats()["max_concurrent_full_length_seqs"] == 25
+    capped = Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu",
+                                 max_model_len=64, max_num_seqs=4))
+    assert capped.stats()["num_kv_blocks"] == 2 * 4 * 4
+
+
+def test_bad_engine_settings_are_refused_by_name(tiny_llama_dir: Path) -> None:
+    for field, value in (("block_size", 12), ("preemption_mode", "drop"),
+                         ("attention_backend", "cuda"), ("dtype", "int8")):
+        with pytest.raises(ValueError, match=field if field != "attention_backend" else "cuda"):
+            Engine(EngineConfig(model=str(tiny_llama_dir), device="cpu", num_kv_blocks=8,
+                                max_model_len=64, **{field: value}))
