@@ -117,3 +117,55 @@ def test_worker_rides_out_a_ten_second_s3_outage(
     keys = [o["Key"] for o in s3.list_objects_v2(Bucket=s3_bucket).get("Contents", [])]
     assert rc == 0, (tmp_path / "worker.log").read_text()[-2000:]
     assert len(keys) == 40
+
+
+def test_sigterm_while_the_source_is_connecting_exits_within_the_drain_budget(
+    tmp_path: Path, moto_server: str, s3_bucket: str
+) -> None:
+    """Regression: a SIGTERM during ``source.start()`` waited for the start to finish.
+
+    Found by the Kafka campaign: a worker SIGTERMed while joining its consumer group
+    drained only once the join completed (13 s, over a 10 s budget); a join can last
+    up to the group's rebalance timeout. Here the "broker" accepts connections and
+    never answers, so the start cannot finish: the worker must still exit 0 within
+    its drain budget.
+    """
+    import os
+    import socket
+    import subprocess
+    import threading
+    import time
+
+    tarpit = socket.socket()
+    tarpit.bind(("127.0.0.1", 0))
+    tarpit.listen(16)
+    held: list[socket.socket] = []
+    threading.Thread(target=lambda: [held.append(tarpit.accept()[0]) for _ in range(16)],
+                     daemon=True).start()
+    port = tarpit.getsockname()[1]
+    env = {**os.environ, "QWORKER_METRICS_PORT": "0", "QWORKER_SPOT_METADATA_URL": "",
+           "QWORKER_DRAIN_SECONDS": "3", "QWORKER_S3_ENDPOINT_URL": moto_server}
+    cmd = [sys.executable, "-m", "qworker", "run", "--source",
+           f"kafka://127.0.0.1:{port}/jobs?group=g", "--sink", f"s3://{s3_bucket}/out",
+           "--model", "echo://", "--until-idle", "2"]
+    with (tmp_path / "worker.log").open("wb") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        end = time.monotonic() + 60
+        log_path = tmp_path / "worker.log"
+        while time.monotonic() < end and "serving jobs from" not in log_path.read_text():
+            assert proc.poll() is None, log_path.read_text()[-2000:]
+            time.sleep(0.2)
+        time.sleep(1)  # now inside source.start(), connecting to the tarpit
+        proc.terminate()
+        started = time.monotonic()
+        rc = proc.wait(timeout=60)
+        took = time.monotonic() - started
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        tarpit.close()
+        for conn in held:
+            conn.close()
+    assert rc == 0, (tmp_path / "worker.log").read_text()[-2000:]
+    assert took < 3 + 5, f"exit took {took:.1f} s after SIGTERM with a 3 s drain budget"
