@@ -90,6 +90,8 @@ def make_model(folder: Path, shape: dict[str, Any], dtype: torch.dtype, seed: in
     groups: list[list[int | None]] = [[None]]
     layers = list(range(shape["num_hidden_layers"]))
     groups += [list(layers[k : k + 4]) for k in range(0, len(layers), 4)]
+    weight_map: dict[str, str] = {}
+    total_bytes = 0
     for n, group in enumerate(groups):
         shard: dict[str, torch.Tensor] = {}
         for layer in group:
@@ -99,7 +101,13 @@ def make_model(folder: Path, shape: dict[str, Any], dtype: torch.dtype, seed: in
                 else:
                     t = torch.randn(dims, generator=gen, device=device).mul_(0.02).to(dtype)
                 shard[name] = t.cpu()
-        save_file(shard, str(folder / f"model-{n:05d}-of-{len(groups):05d}.safetensors"))
+                total_bytes += t.numel() * t.element_size()
+        file_name = f"model-{n:05d}-of-{len(groups):05d}.safetensors"
+        save_file(shard, str(folder / file_name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file_name))
+    # The index makes the shards loadable by transformers too (the engine benchmark's baseline).
+    index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
     config.save_pretrained(str(folder))  # last: a folder with config.json is complete
     return folder
 
