@@ -40,6 +40,9 @@ class WorkerSettings(BaseSettings):
     )
     metrics_port: int = Field(9400, description="Prometheus /metrics port (0 = any free port)")
     drain_seconds: float = Field(90.0, description="time given to in-flight jobs at shutdown")
+    sink_outage_seconds: float = Field(
+        300.0, description="how long the sink may keep failing before the worker gives up"
+    )
     s3_endpoint_url: str | None = Field(None, description="S3 endpoint (local server in tests)")
     sqs_endpoint_url: str | None = Field(None, description="SQS endpoint (local server in tests)")
     aws_region: str = Field("us-east-1", description="AWS region for boto3")
@@ -121,7 +124,11 @@ class WorkerSettings(BaseSettings):
         return value
 
     @field_validator(
-        "drain_seconds", "spot_poll_seconds", "kafka_commit_interval_seconds", "until_idle"
+        "drain_seconds",
+        "spot_poll_seconds",
+        "kafka_commit_interval_seconds",
+        "until_idle",
+        "sink_outage_seconds",
     )
     @classmethod
     def _check_non_negative(cls, value: float | None) -> float | None:

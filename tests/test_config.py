@@ -66,6 +66,7 @@ def test_aws_endpoint_variables_are_honoured(monkeypatch: pytest.MonkeyPatch) ->
         ("block_size", 12, "block_size must be 8, 16 or 32, got 12"),
         ("metrics_port", 70000, "metrics_port must be in 0..65535"),
         ("drain_seconds", -1, "must be >= 0"),
+        ("sink_outage_seconds", -5, "must be >= 0"),
         ("max_num_seqs", 0, "must be >= 1"),
         ("gpu_memory_utilization", 1.5, "must be in (0, 1]"),
         ("log_format", "xml", "Input should be 'text' or 'json'"),
@@ -94,3 +95,11 @@ def test_every_setting_has_a_run_flag() -> None:
     help_text = build_parser()._subparsers._group_actions[0].choices["run"].format_help()
     for name in WorkerSettings.model_fields:
         assert "--" + name.replace("_", "-") in help_text
+
+
+def test_sink_outage_seconds_defaults_to_five_minutes_and_reads_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert WorkerSettings().sink_outage_seconds == 300
+    monkeypatch.setenv("QWORKER_SINK_OUTAGE_SECONDS", "42.5")
+    assert WorkerSettings().sink_outage_seconds == 42.5
