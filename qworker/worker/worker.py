@@ -9,8 +9,10 @@ the worker only through ack (its record is stored), ``dead_letter`` or ``abandon
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
+import random
 import time
 import uuid
 from collections import deque
@@ -49,7 +51,12 @@ _MAX_STEP_FAILURES = 3
 _MAX_RECEIVE = 64
 _STORE_WAIT_S = 30.0  # finished results still being written (sink retries) at drain
 _MAX_RECEIVE_FAILURES = 8
-_MAX_SINK_FAILURES = 5
+# A result whose write failed (after the sink's own retries) is kept and written
+# again after a backoff of 1, 2, 4 ... up to 15 s (jittered), until the sink has
+# been failing for ``sink_outage_seconds``.
+_SINK_RETRY_FIRST_S = 1.0
+_SINK_RETRY_MAX_S = 15.0
+_START_CLOSE_S = 5.0  # longest wait to close a source whose start a drain cancelled
 
 
 class AbortReason(Enum):
@@ -122,13 +129,18 @@ class Worker:
         self._progress = asyncio.Event()
         self._step_failures = 0
         self._receive_failures = 0
-        self._sink_failures = 0
+        self._sink_down_since: float | None = None
         self._kv_usage = 0.0
         self._last_activity = time.monotonic()
         self._block_size = int(engine.stats().get("block_size", 16))
         tokenizer = getattr(engine, "tokenizer", None)
         self._decode = (lambda tid: tokenizer.decode([tid])) if tokenizer is not None else None
         self._thread: EngineThread | None = None
+
+    @property
+    def sink_down(self) -> bool:
+        """True while the sink's last write failed: receiving pauses until one succeeds."""
+        return self._sink_down_since is not None
 
     @property
     def busy(self) -> int:
@@ -144,7 +156,8 @@ class Worker:
         self.source.on_revoke = self._on_revoke
         if hasattr(self.sink, "on_retry"):
             self.sink.on_retry = lambda *_: self.metrics.sink_retries.inc()
-        await self.source.start()
+        if not await self._start_source():
+            return self.summary
         # Joining a consumer group can take seconds: that wait is not idle time.
         self._last_activity = time.monotonic()
         self._thread.start()
@@ -178,6 +191,46 @@ class Worker:
             self.summary.drain_reason = self.drain.reason.value if self.drain.reason else None
         return self.summary
 
+    async def _start_source(self) -> bool:
+        """``source.start()`` raced against a drain; False when a drain cancelled it.
+
+        A group join or an unreachable broker can hold the start for as long as the
+        client library likes; a SIGTERM meanwhile must still exit within the drain
+        budget. Nothing was received yet, so the cancelled source is closed (bounded
+        in time) and there is nothing to commit or abandon.
+        """
+        start = asyncio.ensure_future(self.source.start())
+        drained = asyncio.ensure_future(self.drain.draining.wait())
+        try:
+            await asyncio.wait({start, drained}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            drained.cancel()
+        if start.done():
+            try:
+                start.result()
+            except BaseException:
+                await self._close_unstarted()
+                raise
+            return True
+        log.warning("drain requested while the source was starting: not serving")
+        start.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await start
+        await self._close_unstarted()
+        await self.sink.close()
+        self.summary.finished = time.monotonic()
+        self.summary.drain_reason = self.drain.reason.value if self.drain.reason else None
+        return False
+
+    async def _close_unstarted(self) -> None:
+        budget = min(_START_CLOSE_S, max(1.0, self.settings.drain_seconds))
+        try:
+            await asyncio.wait_for(self.source.close(), budget)
+        except TimeoutError:
+            log.warning("source did not close within %.1fs after a cancelled start", budget)
+        except Exception as exc:
+            log.warning("closing the source after a cancelled start failed: %r", exc)
+
     # ------------------------------------------------------------ admission
 
     async def _admit_loop(self) -> None:
@@ -188,8 +241,9 @@ class Worker:
             if not self._ready:
                 stats = self.engine.stats()
                 room = self.admission.room(stats, self._thread.pending_blocks, self.busy)
-            if room == 0:
-                await self._wait_progress(0.05)
+            if room == 0 or self.sink_down:
+                # A failing sink: finished results wait for it, so take no new work.
+                await self._wait_progress(0.05 if room == 0 else 0.25)
                 continue
             msgs = await self._receive(min(room, _MAX_RECEIVE))
             if msgs and self.drain.draining.is_set():
@@ -358,20 +412,31 @@ class Worker:
     async def _store(
         self, msg: Message, custom_id: str, batch_id: str | None, record: dict, status: str
     ) -> None:
+        """Write the record, then ack; a failing sink is retried, never acked around.
+
+        The record is kept and written again with backoff while the sink fails (and
+        receiving pauses, see ``sink_down``). Only when the sink has failed for
+        ``sink_outage_seconds`` (or an immediate stop) is the job abandoned, unacked.
+        """
         key = result_key(self.sink_prefix, batch_id, custom_id)
-        started = time.monotonic()
-        try:
-            written = await self.sink.put(key, dumps(record))
-        except Exception as exc:  # unstored: leave it for redelivery
-            log.error("sink put failed, job left unacked: %s", exc, extra=_ids(custom_id, msg))
-            self.summary.sink_failures += 1
-            self._sink_failures += 1
-            await self.source.abandon(msg)
-            if self._sink_failures >= _MAX_SINK_FAILURES:
-                # Redelivering to a sink that keeps failing would spin the queue forever.
-                self._fail(f"{self._sink_failures} sink writes failed in a row")
-            return
-        self._sink_failures = 0
+        body = dumps(record)
+        attempt = 0
+        while True:
+            started = time.monotonic()
+            try:
+                written = await self.sink.put(key, body)
+                break
+            except Exception as exc:  # unstored: keep it and try again
+                attempt += 1
+                self.summary.sink_failures += 1
+                if not await self._sink_failed(msg, custom_id, exc, attempt):
+                    return
+        if self._sink_down_since is not None:
+            log.warning(
+                "sink writes succeed again after %.1fs: receiving resumes",
+                time.monotonic() - self._sink_down_since,
+            )
+            self._sink_down_since = None
         self.metrics.sink_put_seconds.observe(time.monotonic() - started)
         if not written:
             self.summary.duplicates += 1
@@ -382,6 +447,34 @@ class Worker:
         self.metrics.jobs_completed.labels(status=status).inc()
         if written:
             log.info("%s -> %s", status, key, extra=_ids(custom_id, msg))
+
+    async def _sink_failed(
+        self, msg: Message, custom_id: str, exc: Exception, attempt: int
+    ) -> bool:
+        """Back off after a failed write; False when the job was given up (abandoned)."""
+        now = time.monotonic()
+        if self._sink_down_since is None:
+            self._sink_down_since = now
+            log.error(
+                "sink write failed: receiving paused, results retried for up to %.0fs: %s",
+                self.settings.sink_outage_seconds,
+                exc,
+            )
+        down_for = now - self._sink_down_since
+        give_up = down_for >= self.settings.sink_outage_seconds
+        if give_up or self.drain.immediate.is_set():
+            log.error("sink put failed, job left unacked: %s", exc, extra=_ids(custom_id, msg))
+            await self.source.abandon(msg)
+            if give_up and self.exit_code == 0:
+                self._fail(f"sink failing for {down_for:.0f}s")
+            return False
+        delay = min(_SINK_RETRY_MAX_S, _SINK_RETRY_FIRST_S * 2 ** min(attempt - 1, 8))
+        delay = random.uniform(delay / 2, delay)
+        log.debug("sink put failed (attempt %d), again in %.1fs: %s", attempt, delay, exc,
+                  extra=_ids(custom_id, msg))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.drain.immediate.wait(), delay)
+        return True
 
     async def _dead_letter(self, msg: Message, reason: str) -> None:
         await self.source.dead_letter(msg, reason)

@@ -270,7 +270,7 @@ def test_a_sink_that_keeps_failing_stops_the_worker_with_exit_1_and_nothing_acke
 
     async def main() -> Worker:
         worker = Worker(
-            _settings(tmp_path, until_idle=None),
+            _settings(tmp_path, until_idle=None, sink_outage_seconds=1.5),
             EchoEngine(),
             FileSource(spool),
             _BrokenSink(tmp_path / "out"),
@@ -281,6 +281,85 @@ def test_a_sink_that_keeps_failing_stops_the_worker_with_exit_1_and_nothing_acke
     worker = asyncio.run(main())
     assert worker.exit_code == 1 and worker.summary.drain_reason == "fatal"
     assert acked_lines(tmp_path / "jobs.jsonl.progress") == set()
+
+
+class _OutageSink(FileSink):
+    """Fails every write until ``fail_until`` (monotonic), then works."""
+
+    fail_until = 0.0
+    failures = 0
+
+    async def put(self, key: str, body: bytes) -> bool:
+        if time.monotonic() < self.fail_until:
+            self.failures += 1
+            raise OSError("503 SlowDown")
+        return await super().put(key, body)
+
+
+class _OneAtATime(FileSource):
+    """Hands out one message per receive and notes whether the sink was down then."""
+
+    worker: Worker | None = None
+    received_while_down = 0
+
+    async def receive(self, max_messages: int, timeout: float) -> list:
+        msgs = await super().receive(1, timeout)
+        if msgs and self.worker is not None and self.worker.sink_down:
+            self.received_while_down += 1
+        return msgs
+
+
+def test_a_sink_outage_is_ridden_out_without_receiving_and_every_job_is_written(
+    tmp_path: Path,
+) -> None:
+    spool = write_spool(tmp_path / "jobs.jsonl", [chat_job(f"o{i}") for i in range(6)])
+    sink = _OutageSink(tmp_path / "out")
+    source = _OneAtATime(spool)
+
+    async def main() -> Worker:
+        worker = Worker(_settings(tmp_path, until_idle=0.5, sink_outage_seconds=60), EchoEngine(),
+                        source, sink)
+        source.worker = worker
+        sink.fail_until = time.monotonic() + 2.5
+        await asyncio.wait_for(worker.run(), 30)
+        return worker
+
+    worker = asyncio.run(main())
+    assert worker.exit_code == 0 and worker.summary.drain_reason == "idle"
+    assert sink.failures >= 2  # the outage really held results back, more than once
+    assert source.received_while_down == 0
+    assert set(read_results(tmp_path / "out")) == {f"o{i}" for i in range(6)}
+    assert len(acked_lines(tmp_path / "jobs.jsonl.progress")) == 6
+
+
+class _HangingStart(FileSource):
+    closed = False
+
+    async def start(self) -> None:
+        await asyncio.Event().wait()  # a broker that never answers
+
+    async def close(self) -> None:
+        self.closed = True
+        await super().close()
+
+
+def test_a_drain_during_source_start_cancels_the_start_and_exits_0(tmp_path: Path) -> None:
+    spool = write_spool(tmp_path / "jobs.jsonl", [chat_job("s1")])
+    source = _HangingStart(spool)
+    drain = DrainControl()
+
+    async def main() -> tuple[Worker, float]:
+        worker = Worker(_settings(tmp_path, until_idle=None), EchoEngine(), source,
+                        FileSink(tmp_path / "out"), drain=drain)
+        asyncio.get_running_loop().call_later(0.3, drain.request, DrainReason.SIGNAL)
+        started = time.monotonic()
+        await asyncio.wait_for(worker.run(), 30)
+        return worker, time.monotonic() - started
+
+    worker, took = asyncio.run(main())
+    assert worker.exit_code == 0 and worker.summary.drain_reason == "signal"
+    assert took < 5 and source.closed
+    assert worker.summary.received == 0 and read_results(tmp_path / "out") == {}
 
 
 class _FlakySource(FileSource):
