@@ -3,10 +3,14 @@
 Delivery (DESIGN.md): at-least-once. A received message stays invisible for
 ``visibility_timeout`` seconds; a heartbeat task extends the visibility of every
 message still in flight every third of that, so a long job is never handed to a
-second worker. ``ack`` deletes the message (its result is in the sink; one
-background deleter batches acks into DeleteMessageBatch calls of up to 10);
-``abandon`` sets its visibility to 0 so another worker (or this one) takes it at
-once; ``close`` abandons whatever is still in flight.
+second worker. Heartbeat rounds run on a fixed cadence timed from their start and
+send their ChangeMessageVisibilityBatch calls (10 messages each) concurrently, so
+a slow server delays a round by one call's latency, not by one per 10 messages.
+``ack`` deletes the message (its result is in the sink; one background deleter
+batches acks into DeleteMessageBatch calls of up to 10); ``abandon`` sets its
+visibility to 0 so another worker (or this one) takes it at once (one background
+releaser batches those too); ``close`` releases whatever is still in flight, in
+concurrent batches.
 
 ``dead_letter`` sends the raw body to the dead-letter queue (``sqs_dlq_url``, else
 the target of the queue's RedrivePolicy) with a ``qworker_dlq_reason`` message
@@ -45,6 +49,7 @@ DLQ_SOURCE_ATTRIBUTE = "qworker_source"
 KEY_ATTRIBUTE = "custom_id"
 MAX_WAIT_SECONDS = 20  # SQS's longest long poll
 MAX_BATCH = 10  # SQS's most messages per receive / batch call
+_CALL_THREADS = 8  # concurrent SQS calls (heartbeat batches, deletes, releases)
 
 
 @dataclass(slots=True)
@@ -112,12 +117,18 @@ class SqsSource(Source):
         self._poll: concurrent.futures.Future[Any] | None = None
         self._poll_failed = False
         self._poll_backoff_until = 0.0
-        self._runner = BlockingRunner(4, "qworker-sqs")
+        self._runner = BlockingRunner(_CALL_THREADS, "qworker-sqs")
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._deleter: asyncio.Task[None] | None = None
         self._deletes: deque[tuple[Message, asyncio.Future[None]]] = deque()
         self._delete_wakeup = asyncio.Event()
         self._delete_busy = False
+        self._releases: list[Message] = []
+        self._release_wakeup = asyncio.Event()
+        self._releaser: asyncio.Task[None] | None = None
+        self._release_busy = False
+        #: Heartbeat rounds that took longer than a third of the visibility timeout.
+        self.slow_heartbeats = 0
         self._closed = False
 
     async def _call(self, method: str, **kwargs: Any) -> Any:
@@ -142,6 +153,7 @@ class SqsSource(Source):
             self.dlq_url = await self._redrive_target(attrs.get("RedrivePolicy"))
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="sqs-heartbeat")
         self._deleter = asyncio.create_task(self._delete_loop(), name="sqs-delete")
+        self._releaser = asyncio.create_task(self._release_loop(), name="sqs-release")
         if int(attrs.get("ApproximateNumberOfMessages", "0")) > 0:
             self._ensure_poll(MAX_BATCH)
             with contextlib.suppress(TimeoutError):
@@ -324,18 +336,64 @@ class SqsSource(Source):
             )
 
     async def abandon(self, msg: Message) -> None:
-        """Make ``msg`` visible again at once (visibility 0): redelivered, never deleted."""
+        """Make ``msg`` visible again (visibility 0): redelivered, never deleted.
+
+        Returns at once: a background releaser batches abandons into
+        ChangeMessageVisibilityBatch calls, and ``close`` flushes what is left.
+        A failed release only delays redelivery until the visibility timeout.
+        """
         self._inflight.pop(msg.handle.receipt_handle, None)
-        handle: SqsHandle = msg.handle
+        if self._releaser is None or self._releaser.done():
+            await self._release([msg])
+            return
+        self._releases.append(msg)
+        self._release_wakeup.set()
+
+    async def _release_loop(self) -> None:
+        while True:
+            await self._release_wakeup.wait()
+            self._release_wakeup.clear()
+            while self._releases:
+                msgs, self._releases = self._releases, []
+                self._release_busy = True
+                try:
+                    await self._release(msgs)
+                finally:
+                    self._release_busy = False
+
+    async def _release(self, msgs: list[Message]) -> None:
+        """Visibility 0 for ``msgs``: concurrent batch calls of up to 10."""
+        await self._change_visibility(msgs, 0, "release")
+
+    async def _change_visibility(self, msgs: list[Message], timeout: int, what: str) -> int:
+        """ChangeMessageVisibilityBatch over ``msgs``, all batches at once; count changed."""
+        chunks = [msgs[i : i + MAX_BATCH] for i in range(0, len(msgs), MAX_BATCH)]
+        results = await asyncio.gather(
+            *(self._change_chunk(chunk, timeout, what) for chunk in chunks)
+        )
+        return sum(results)
+
+    async def _change_chunk(self, chunk: list[Message], timeout: int, what: str) -> int:
+        entries = [
+            {"Id": str(n), "ReceiptHandle": m.handle.receipt_handle, "VisibilityTimeout": timeout}
+            for n, m in enumerate(chunk)
+        ]
         try:
-            await self._call(
-                "change_message_visibility",
-                QueueUrl=self.queue_url,
-                ReceiptHandle=handle.receipt_handle,
-                VisibilityTimeout=0,
+            resp = await self._call(
+                "change_message_visibility_batch", QueueUrl=self.queue_url, Entries=entries
             )
         except Exception as exc:
-            log.warning("sqs abandon failed message_id=%s: %r", msg.message_id, exc)
+            log.warning("sqs %s of %d messages failed: %r", what, len(chunk), exc)
+            return 0
+        failed = resp.get("Failed", [])
+        for entry in failed:
+            log.warning(
+                "sqs %s refused message_id=%s: %s",
+                what,
+                chunk[int(entry["Id"])].message_id,
+                entry.get("Message"),
+            )
+        return len(entries) - len(failed)
 
     async def dead_letter(self, msg: Message, reason: str) -> None:
         """Send ``msg`` to the DLQ with ``reason`` as an attribute, then delete it.
@@ -393,8 +451,17 @@ class SqsSource(Source):
             self._heartbeat_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._heartbeat_task
-        for msg in list(self._inflight.values()):
-            await self.abandon(msg)
+        while self._release_busy:  # a batch already sent finishes first
+            await asyncio.sleep(0.01)
+        if self._releaser is not None:
+            self._releaser.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._releaser
+        leftover = self._releases + list(self._inflight.values())
+        self._releases = []
+        self._inflight.clear()
+        if leftover:
+            await self._release(leftover)
         self._runner.shutdown()
         log.info("sqs source closed queue=%s", self.queue_url)
 
@@ -408,37 +475,31 @@ class SqsSource(Source):
         return len(self._inflight)
 
     async def extend_visibility(self) -> None:
-        """Reset the visibility timeout of every in-flight message (batches of 10)."""
+        """Reset the visibility timeout of every in-flight message (concurrent batches of 10)."""
         msgs = list(self._inflight.values())
-        for i in range(0, len(msgs), MAX_BATCH):
-            chunk = msgs[i : i + MAX_BATCH]
-            entries = [
-                {
-                    "Id": str(n),
-                    "ReceiptHandle": m.handle.receipt_handle,
-                    "VisibilityTimeout": self.visibility_timeout,
-                }
-                for n, m in enumerate(chunk)
-            ]
-            try:
-                resp = await self._call(
-                    "change_message_visibility_batch", QueueUrl=self.queue_url, Entries=entries
-                )
-            except Exception as exc:
-                log.warning("sqs visibility heartbeat failed: %r", exc)
-                continue
-            self.heartbeats += len(entries) - len(resp.get("Failed", []))
-            for failed in resp.get("Failed", []):
-                log.warning(
-                    "sqs heartbeat refused message_id=%s: %s",
-                    chunk[int(failed["Id"])].message_id,
-                    failed.get("Message"),
-                )
+        if msgs:
+            self.heartbeats += await self._change_visibility(
+                msgs, self.visibility_timeout, "visibility heartbeat"
+            )
 
     async def _heartbeat_loop(self) -> None:
+        # Rounds are timed from their start: a slow round must not push the next one
+        # past the visibility timeout. A round that overruns is followed at once.
+        next_at = time.monotonic() + self.heartbeat_interval
         while True:
-            await asyncio.sleep(self.heartbeat_interval)
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+            started = time.monotonic()
             await self.extend_visibility()
+            took = time.monotonic() - started
+            if took > self.visibility_timeout / 3:
+                self.slow_heartbeats += 1
+                log.warning(
+                    "sqs visibility heartbeat took %.1fs (visibility timeout %ds): "
+                    "messages may be redelivered; consider a longer sqs_visibility_timeout",
+                    took,
+                    self.visibility_timeout,
+                )
+            next_at = max(started + self.heartbeat_interval, time.monotonic())
 
 
 def open_source(uri: str, settings: Any) -> SqsSource:

@@ -135,6 +135,33 @@ def test_heartbeats_keep_a_long_job_invisible_to_other_workers(
     asyncio.run(go())
 
 
+def test_a_batch_of_held_messages_stays_invisible_over_several_visibility_periods(
+    moto_server: str, sqs_queue: Callable[..., QueueInfo]
+) -> None:
+    """35 messages (4 heartbeat batches) held for ~3 visibility timeouts are never stolen."""
+    queue = sqs_queue()
+
+    async def go() -> None:
+        await _fill(moto_server, queue.url, 35)
+        worker = _source(moto_server, queue.url, visibility_timeout=3)  # rounds every 1 s
+        other = _source(moto_server, queue.url, visibility_timeout=3)
+        await worker.start()
+        msgs = await _receive_n(worker, 35)
+        assert len(msgs) == 35
+        await other.start()
+        stolen = await _receive_n(other, 1, timeout=8.0)
+        assert stolen == []
+        assert _counts(moto_server, queue.url) == (0, 35)
+        assert worker.heartbeats >= 35 * 5
+        for msg in msgs[:20]:
+            await worker.abandon(msg)  # batched by the releaser, flushed by close
+        await worker.close()
+        assert _counts(moto_server, queue.url) == (35, 0)
+        await other.close()
+
+    asyncio.run(go())
+
+
 def test_close_makes_unfinished_messages_visible_again(
     moto_server: str, sqs_queue: Callable[..., QueueInfo]
 ) -> None:
