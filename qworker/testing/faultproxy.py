@@ -6,6 +6,9 @@ it. Each request is forwarded unchanged unless a fault is drawn for it:
 - ``error_rate``: answer 500 InternalError or 503 SlowDown (S3-style XML) without
   forwarding;
 - ``reset_rate``: close the connection abruptly (TCP RST) without answering;
+- ``lost_ack_rate``: forward a write (PUT/POST/DELETE) upstream, so it takes
+  effect, then reset the client connection instead of answering: the client
+  cannot tell whether its write happened (S3: a retried conditional PUT gets 412);
 - ``latency``: sleep this many seconds before forwarding (every request).
 
 ``fail_next(n)`` makes the next ``n`` requests fail deterministically, for tests
@@ -19,6 +22,7 @@ Use::
     url = proxy.start()
     ...
     print(proxy.stats)   # {'requests': ..., 'forwarded': ..., 'errors_500': ..., ...}
+    print(proxy.lost_acks, proxy.status_counts)   # 3 {200: 57, 412: 3}
     proxy.stop()
 
 or from a shell: ``python -m qworker.testing.faultproxy --upstream URL --port 0 --error-rate 0.1``.
@@ -32,6 +36,7 @@ import logging
 import random
 import socket
 import struct
+import sys
 import threading
 import time
 import urllib.parse
@@ -53,18 +58,30 @@ _HOP_BY_HOP = frozenset(
     }
 )
 
+_WRITE_METHODS = frozenset({"PUT", "POST", "DELETE"})
+
 _ERROR_BODIES = {
     500: ("InternalError", "We encountered an internal error. Please try again."),
     503: ("SlowDown", "Please reduce your request rate."),
 }
 
 
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that gave up (a killed worker, a timeout) is routine here, not a bug.
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            log.debug("faultproxy: client %s went away", client_address)
+            return
+        super().handle_error(request, client_address)
+
+
 class FaultProxy:
-    """A threaded forwarding proxy that injects 500/503 answers, resets and latency.
+    """A threaded forwarding proxy that injects 500/503 answers, resets, lost acks, latency.
 
     Thread-safe: counters and settings are guarded by one lock. ``stats`` returns a
     snapshot dict with ``requests``, ``forwarded``, ``errors_500``, ``errors_503``,
-    ``resets`` and ``delayed``.
+    ``resets`` and ``delayed``; ``lost_acks`` counts writes forwarded whose answer
+    was dropped; ``status_counts`` counts upstream answers by HTTP status.
     """
 
     def __init__(
@@ -74,6 +91,7 @@ class FaultProxy:
         error_rate: float = 0.0,
         latency: float = 0.0,
         reset_rate: float = 0.0,
+        lost_ack_rate: float = 0.0,
         seed: int | None = 0,
         host: str = "127.0.0.1",
         port: int = 0,
@@ -91,11 +109,19 @@ class FaultProxy:
         self._counts = dict.fromkeys(
             ("requests", "forwarded", "errors_500", "errors_503", "resets", "delayed"), 0
         )
+        self._lost_acks = 0
+        self._statuses: dict[int, int] = {}
         self.error_rate = 0.0
         self.latency = 0.0
         self.reset_rate = 0.0
-        self.configure(error_rate=error_rate, latency=latency, reset_rate=reset_rate)
-        self._server = ThreadingHTTPServer((host, port), _make_handler(self))
+        self.lost_ack_rate = 0.0
+        self.configure(
+            error_rate=error_rate,
+            latency=latency,
+            reset_rate=reset_rate,
+            lost_ack_rate=lost_ack_rate,
+        )
+        self._server = _Server((host, port), _make_handler(self))
         self._server.daemon_threads = True
         self._thread: threading.Thread | None = None
 
@@ -111,9 +137,14 @@ class FaultProxy:
         error_rate: float | None = None,
         latency: float | None = None,
         reset_rate: float | None = None,
+        lost_ack_rate: float | None = None,
     ) -> None:
         """Change fault settings while running; None leaves a setting as it is."""
-        for name, value in (("error_rate", error_rate), ("reset_rate", reset_rate)):
+        for name, value in (
+            ("error_rate", error_rate),
+            ("reset_rate", reset_rate),
+            ("lost_ack_rate", lost_ack_rate),
+        ):
             if value is not None and not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {value}")
         if latency is not None and latency < 0:
@@ -125,6 +156,8 @@ class FaultProxy:
                 self.latency = latency
             if reset_rate is not None:
                 self.reset_rate = reset_rate
+            if lost_ack_rate is not None:
+                self.lost_ack_rate = lost_ack_rate
 
     def fail_next(self, n: int, status: int = 503) -> None:
         """Answer the next ``n`` requests with ``status`` (500 or 503 or 0 for a reset)."""
@@ -139,12 +172,34 @@ class FaultProxy:
         with self._lock:
             return dict(self._counts)
 
+    @property
+    def lost_acks(self) -> int:
+        """Writes forwarded upstream whose answer the client never got (connection reset)."""
+        with self._lock:
+            return self._lost_acks
+
+    @property
+    def status_counts(self) -> dict[int, int]:
+        """Upstream answers by HTTP status (lost acks included; injected errors are not)."""
+        with self._lock:
+            return dict(self._statuses)
+
     def _count(self, name: str) -> None:
         with self._lock:
             self._counts[name] += 1
 
-    def draw(self) -> tuple[str, int, float]:
-        """Decide one request's fate: ``("forward"|"error"|"reset", status, delay)``."""
+    def _count_answer(self, status: int, lost: bool) -> None:
+        with self._lock:
+            self._counts["forwarded"] += 1
+            self._statuses[status] = self._statuses.get(status, 0) + 1
+            if lost:
+                self._lost_acks += 1
+
+    def draw(self, method: str = "PUT") -> tuple[str, int, float]:
+        """Decide one request's fate: ``("forward"|"error"|"reset"|"lost_ack", status, delay)``.
+
+        Only writes (``method`` PUT, POST or DELETE) can draw a lost ack.
+        """
         with self._lock:
             self._counts["requests"] += 1
             delay = self.latency
@@ -156,6 +211,9 @@ class FaultProxy:
                 return "reset", 0, delay
             if roll < self.reset_rate + self.error_rate:
                 return "error", self._rng.choice((500, 503)), delay
+            lost_ack = roll < self.reset_rate + self.error_rate + self.lost_ack_rate
+            if lost_ack and method.upper() in _WRITE_METHODS:
+                return "lost_ack", 0, delay
             return "forward", 0, delay
 
     def start(self) -> str:
@@ -190,6 +248,7 @@ def start(
     reset_rate: float = 0.0,
     seed: int | None = 0,
     port: int = 0,
+    lost_ack_rate: float = 0.0,
 ) -> FaultProxy:
     """Start a ``FaultProxy`` in front of ``upstream``; its ``url`` is the endpoint to use."""
     proxy = FaultProxy(
@@ -197,6 +256,7 @@ def start(
         error_rate=error_rate,
         latency=latency,
         reset_rate=reset_rate,
+        lost_ack_rate=lost_ack_rate,
         seed=seed,
         port=port,
     )
@@ -246,7 +306,7 @@ def _make_handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
 
         def _handle(self) -> None:
             body = self._read_body()
-            action, status, delay = proxy.draw()
+            action, status, delay = proxy.draw(self.command)
             if delay > 0:
                 proxy._count("delayed")
                 time.sleep(delay)
@@ -274,7 +334,10 @@ def _make_handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
                 return
             finally:
                 conn.close()
-            proxy._count("forwarded")
+            proxy._count_answer(resp.status, lost=action == "lost_ack")
+            if action == "lost_ack":
+                self._reset()  # the write happened upstream; its answer never arrives
+                return
             self.send_response_only(resp.status, resp.reason)
             for name, value in resp.getheaders():
                 if name.lower() not in _HOP_BY_HOP and name.lower() != "content-length":
@@ -296,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--error-rate", type=float, default=0.0)
     parser.add_argument("--reset-rate", type=float, default=0.0)
+    parser.add_argument("--lost-ack-rate", type=float, default=0.0)
     parser.add_argument("--latency", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -304,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         error_rate=args.error_rate,
         latency=args.latency,
         reset_rate=args.reset_rate,
+        lost_ack_rate=args.lost_ack_rate,
         seed=args.seed,
         port=args.port,
     )
@@ -315,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         pass
     finally:
         proxy.stop()
-        print(proxy.stats, flush=True)
+        print(proxy.stats, {"lost_acks": proxy.lost_acks}, proxy.status_counts, flush=True)
     return 0
 
 

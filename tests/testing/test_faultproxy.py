@@ -6,6 +6,7 @@ import http.client
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
 
 import pytest
 
@@ -90,6 +91,50 @@ def test_a_reset_closes_the_connection_without_an_answer(upstream: str) -> None:
         assert proxy.stats["resets"] == 1
 
 
+class _Store(BaseHTTPRequestHandler):
+    """Upstream that stores PUT bodies: 200 the first time a key is written, then 412."""
+
+    protocol_version = "HTTP/1.1"
+    stored: ClassVar[dict[str, bytes]] = {}
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_PUT(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        status = 412 if self.path in self.stored else 200
+        self.stored.setdefault(self.path, body)
+        self.send_response(status)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+
+def test_a_lost_ack_stores_the_write_upstream_but_resets_the_client() -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Store)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with FaultProxy(f"http://127.0.0.1:{server.server_address[1]}",
+                        lost_ack_rate=1.0) as proxy:
+            with pytest.raises((ConnectionError, http.client.RemoteDisconnected)):
+                _request(proxy.url, "PUT", b"result")
+            assert _Store.stored == {"/bucket/key?x=1": b"result"}  # the write happened
+            proxy.configure(lost_ack_rate=0.0)
+            assert _request(proxy.url, "PUT", b"result")[0] == 412  # the retry: a duplicate
+            assert proxy.lost_acks == 1
+            assert proxy.status_counts == {200: 1, 412: 1}
+            assert proxy.stats["forwarded"] == 2 and proxy.stats["resets"] == 0
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_lost_acks_are_drawn_for_writes_only(upstream: str) -> None:
+    with FaultProxy(upstream, lost_ack_rate=1.0) as proxy:
+        assert _request(proxy.url, "GET", b"")[0] == 201
+        assert proxy.lost_acks == 0 and proxy.status_counts == {201: 1}
+        assert proxy.draw("GET")[0] == "forward" and proxy.draw("PUT")[0] == "lost_ack"
+
+
 def test_the_same_seed_draws_the_same_faults() -> None:
     def draws(seed: int) -> list[tuple[str, int, float]]:
         proxy = FaultProxy("http://127.0.0.1:9", error_rate=0.3, reset_rate=0.2, seed=seed)
@@ -108,5 +153,7 @@ def test_the_same_seed_draws_the_same_faults() -> None:
 def test_bad_settings_are_rejected() -> None:
     with pytest.raises(ValueError, match="error_rate"):
         FaultProxy("http://127.0.0.1:9", error_rate=1.5)
+    with pytest.raises(ValueError, match="lost_ack_rate"):
+        FaultProxy("http://127.0.0.1:9", lost_ack_rate=-0.1)
     with pytest.raises(ValueError, match="upstream"):
         FaultProxy("ftp://x")
