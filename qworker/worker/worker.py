@@ -130,6 +130,7 @@ class Worker:
         self._step_failures = 0
         self._receive_failures = 0
         self._sink_down_since: float | None = None
+        self._drain_deadline: float | None = None
         self._kv_usage = 0.0
         self._last_activity = time.monotonic()
         self._block_size = int(engine.stats().get("block_size", 16))
@@ -462,7 +463,9 @@ class Worker:
             )
         down_for = now - self._sink_down_since
         give_up = down_for >= self.settings.sink_outage_seconds
-        if give_up or self.drain.immediate.is_set():
+        # Draining: no new attempt once the drain budget is spent; the job stays unacked.
+        deadline = self._drain_deadline
+        if give_up or self.drain.immediate.is_set() or (deadline is not None and now >= deadline):
             log.error("sink put failed, job left unacked: %s", exc, extra=_ids(custom_id, msg))
             await self.source.abandon(msg)
             if give_up and self.exit_code == 0:
@@ -470,6 +473,8 @@ class Worker:
             return False
         delay = min(_SINK_RETRY_MAX_S, _SINK_RETRY_FIRST_S * 2 ** min(attempt - 1, 8))
         delay = random.uniform(delay / 2, delay)
+        if deadline is not None:
+            delay = max(0.0, min(delay, deadline - now))
         log.debug("sink put failed (attempt %d), again in %.1fs: %s", attempt, delay, exc,
                   extra=_ids(custom_id, msg))
         with contextlib.suppress(TimeoutError):
@@ -586,6 +591,7 @@ class Worker:
         self.metrics.draining.set(1)
         self.metrics.ready = False
         reason = self.drain.reason
+        self._drain_deadline = time.monotonic() + self.settings.drain_seconds
         # Jobs still at the gate never started: hand them back first, for other workers.
         while self._ready:
             self.summary.abandoned += 1

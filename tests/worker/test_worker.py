@@ -332,6 +332,26 @@ def test_a_sink_outage_is_ridden_out_without_receiving_and_every_job_is_written(
     assert len(acked_lines(tmp_path / "jobs.jsonl.progress")) == 6
 
 
+def test_a_drain_during_a_sink_outage_stops_retrying_at_the_drain_budget(tmp_path: Path) -> None:
+    spool = write_spool(tmp_path / "jobs.jsonl", [chat_job(f"d{i}") for i in range(4)])
+    sink = _OutageSink(tmp_path / "out")
+    sink.fail_until = float("inf")
+    drain = DrainControl()
+
+    async def main() -> tuple[Worker, float]:
+        worker = Worker(_settings(tmp_path, until_idle=None, drain_seconds=1), EchoEngine(),
+                        FileSource(spool), sink, drain=drain)
+        asyncio.get_running_loop().call_later(1.0, drain.request, DrainReason.SIGNAL)
+        started = time.monotonic()
+        await asyncio.wait_for(worker.run(), 30)
+        return worker, time.monotonic() - started
+
+    worker, took = asyncio.run(main())
+    assert worker.exit_code == 0 and worker.summary.drain_reason == "signal"
+    assert took < 1.0 + 1 + 3  # signal + drain budget + slack, not the 30 s store wait
+    assert acked_lines(tmp_path / "jobs.jsonl.progress") == set()
+
+
 class _HangingStart(FileSource):
     closed = False
 
