@@ -204,6 +204,9 @@ class Worker:
         drained = asyncio.ensure_future(self.drain.draining.wait())
         try:
             await asyncio.wait({start, drained}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # run() itself cancelled: take the start down with it
+            start.cancel()
+            raise
         finally:
             drained.cancel()
         if start.done():
