@@ -25,6 +25,7 @@ for CPU, ``small`` ~110M for GPU). Prints a table and one JSON line per workload
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import random
@@ -150,6 +151,7 @@ def run_qworker(model: str, reqs: list[Req], args: argparse.Namespace,
         peak = max(peak, pool.num_used_blocks)
     elapsed = time.perf_counter() - start
     stats = engine.stats()
+    release(engine)
     return RunResult(
         elapsed_s=elapsed, output_tokens=out_tokens,
         kv_usage_avg=used_time / elapsed if elapsed else 0.0,
@@ -159,6 +161,16 @@ def run_qworker(model: str, reqs: list[Req], args: argparse.Namespace,
         num_kv_blocks=stats["num_kv_blocks"],
         extra={"attention_backend": stats["attention_backend"]},
     )
+
+
+def release(engine: Engine) -> None:
+    """Free the engine's KV pool now: on a GPU the baseline model needs that memory next."""
+    device = engine.runner.device
+    engine.runner.kv_cache = None
+    del engine
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def sync(device: torch.device) -> None:

@@ -46,13 +46,13 @@ STATUS="$WORK/stages"
 export PYTHONUNBUFFERED=1
 export PYTHONDONTWRITEBYTECODE=1
 
-# Time limits per stage in seconds (sum 475: the whole check fits in 8 minutes on the GPU).
-T_INFO=${T_INFO:-20}
-T_PRECOMPILE=${T_PRECOMPILE:-45}
-T_PYTEST=${T_PYTEST:-80}
-T_KERNELS=${T_KERNELS:-50}
+# Time limits per stage in seconds (sum 460: the whole check fits in 8 minutes on the GPU).
+T_INFO=${T_INFO:-15}
+T_PRECOMPILE=${T_PRECOMPILE:-35}
+T_PYTEST=${T_PYTEST:-60}
+T_KERNELS=${T_KERNELS:-40}
 T_MODEL=${T_MODEL:-60}
-T_ENGINE=${T_ENGINE:-90}
+T_ENGINE=${T_ENGINE:-120}
 T_FIXED=${T_FIXED:-130}
 FIXED_SECONDS=${FIXED_SECONDS:-90}
 

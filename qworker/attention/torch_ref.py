@@ -89,5 +89,8 @@ class TorchAttentionBackend(AttentionBackend):
         device = dst_cache.key.device
         src_idx = src.to(src_cache.key.device)
         dst_idx = dst.to(device)
-        dst_cache.key[:, dst_idx] = src_cache.key[:, src_idx].to(device, non_blocking=True)
-        dst_cache.value[:, dst_idx] = src_cache.value[:, src_idx].to(device, non_blocking=True)
+        # Only a copy *into* the GPU may be asynchronous: a device-to-host copy must land
+        # before the host-side scatter reads it.
+        nb = device.type == "cuda"
+        dst_cache.key[:, dst_idx] = src_cache.key[:, src_idx].to(device, non_blocking=nb)
+        dst_cache.value[:, dst_idx] = src_cache.value[:, src_idx].to(device, non_blocking=nb)
