@@ -1,19 +1,14 @@
-"""Job messages in, result records out: the OpenAI Batch formats of DESIGN.md.
+"""Job messages in: parse and validate one raw message into a ``Job`` (DESIGN.md formats).
 
 ``parse_job`` turns one raw message into a ``ParsedJob``: a valid ``Job``, an
 ``invalid_request`` error to record under the job's custom_id, or a dead-letter
 reason when the message is not even a JSON object with a usable custom_id.
-``success_record`` / ``error_record`` build the output line; ``result_key`` the
-object key. orjson is imported here, so the engine packages never import this.
+orjson is imported here, so the engine packages never import this.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
-import re
-import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -21,18 +16,13 @@ from typing import Any
 
 import orjson
 
-from qworker.engine.outputs import RequestOutput
 from qworker.engine.sampling_params import SamplingParams
 from qworker.errors import InvalidRequestError, QworkerError
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
-DEFAULT_BATCH = "default"
-MAX_SAFE_BYTES = 200
 MAX_N = 128
 MAX_METADATA_DEPTH = 32
-_HASH_MARK = "sha256-"
-_SAFE = re.compile(rb"[A-Za-z0-9._-]")
 _ROLES = {"system", "developer", "user", "assistant"}
 
 # Body fields that change the meaning of a request and that qworker cannot honour:
@@ -313,180 +303,6 @@ def _logprobs(body: dict[str, Any], kind: JobKind) -> tuple[bool, int]:
             f"body.logprobs must be an integer in 0..20, got {_describe(value)}"
         )
     return True, value
-
-
-# ---------------------------------------------------------------- result records
-
-
-def new_id() -> str:
-    """A fresh hex uuid4 for record / response ids."""
-    return uuid.uuid4().hex
-
-
-def error_record(
-    custom_id: str,
-    batch_id: str | None,
-    code: str,
-    message: str,
-    metadata: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """The output line of a job that could not be served (``response`` null)."""
-    record: dict[str, Any] = {
-        "id": f"batch_req_{new_id()}",
-        "custom_id": custom_id,
-        "batch_id": batch_id,
-        "response": None,
-        "error": {"code": code, "message": message},
-    }
-    if metadata is not None:
-        record["metadata"] = metadata
-    return record
-
-
-def error_record_for(
-    custom_id: str, batch_id: str | None, exc: BaseException, metadata: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """``error_record`` from an exception: QworkerError codes, anything else engine_error."""
-    code = exc.code if isinstance(exc, QworkerError) else "engine_error"
-    return error_record(custom_id, batch_id, code, str(exc) or type(exc).__name__, metadata)
-
-
-def success_record(
-    job: Job,
-    output: RequestOutput,
-    model: str,
-    decode_token: Callable[[int], str] | None = None,
-    created: int | None = None,
-) -> dict[str, Any]:
-    """The output line of a served job: a chat.completion or text_completion body.
-
-    ``decode_token`` turns one token id into its text for logprobs (``token_id:N``
-    without it). ``n > 1`` gives one choice per completion, by index.
-    """
-    decode = decode_token or (lambda tid: f"token_id:{tid}")
-    request_id = new_id()
-    chat = job.kind is JobKind.CHAT
-    choices = []
-    for comp in sorted(output.outputs, key=lambda c: c.index):
-        logprobs = None
-        if job.want_logprobs and comp.logprobs is not None:
-            logprobs = (_chat_logprobs if chat else _completion_logprobs)(
-                comp.token_ids, comp.logprobs, job.top_logprobs, decode
-            )
-        choice: dict[str, Any] = {"index": comp.index}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": comp.text}
-        else:
-            choice["text"] = comp.text
-        choice["finish_reason"] = comp.finish_reason
-        choice["logprobs"] = logprobs
-        choices.append(choice)
-    prompt_tokens = len(output.prompt_token_ids)
-    completion_tokens = sum(len(c.token_ids) for c in output.outputs)
-    body = {
-        "id": f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
-        "object": "chat.completion" if chat else "text_completion",
-        "created": int(time.time()) if created is None else created,
-        "model": model,
-        "choices": choices,
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        },
-    }
-    record: dict[str, Any] = {
-        "id": f"batch_req_{new_id()}",
-        "custom_id": job.custom_id,
-        "batch_id": job.batch_id,
-        "response": {"status_code": 200, "request_id": request_id, "body": body},
-        "error": None,
-    }
-    if job.metadata is not None:
-        record["metadata"] = job.metadata
-    return record
-
-
-def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
-    return sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:k]
-
-
-def _chat_logprobs(
-    token_ids: list[int], logprobs: list[dict[int, float]], k: int, decode: Callable[[int], str]
-) -> dict[str, Any]:
-    content = []
-    for tid, entry in zip(token_ids, logprobs, strict=False):
-        text = decode(tid)
-        content.append(
-            {
-                "token": text,
-                "logprob": entry.get(tid, -math.inf),
-                "bytes": list(text.encode("utf-8")),
-                "top_logprobs": [
-                    {
-                        "token": decode(alt),
-                        "logprob": lp,
-                        "bytes": list(decode(alt).encode("utf-8")),
-                    }
-                    for alt, lp in _top(entry, k)
-                ],
-            }
-        )
-    return {"content": content}
-
-
-def _completion_logprobs(
-    token_ids: list[int], logprobs: list[dict[int, float]], k: int, decode: Callable[[int], str]
-) -> dict[str, Any]:
-    tokens, token_logprobs, tops, offsets = [], [], [], []
-    offset = 0
-    for tid, entry in zip(token_ids, logprobs, strict=False):
-        text = decode(tid)
-        tokens.append(text)
-        token_logprobs.append(entry.get(tid, -math.inf))
-        tops.append({decode(alt): lp for alt, lp in _top(entry, k)})
-        offsets.append(offset)
-        offset += len(text)
-    return {
-        "tokens": tokens,
-        "token_logprobs": token_logprobs,
-        "top_logprobs": tops,
-        "text_offset": offsets,
-    }
-
-
-def dumps(record: dict[str, Any]) -> bytes:
-    """Serialize a record as one JSON line body (no trailing newline)."""
-    return orjson.dumps(record)
-
-
-# ---------------------------------------------------------------- object keys
-
-
-def safe_segment(value: str) -> str:
-    """One key segment for ``value``: keeps ``[A-Za-z0-9._-]``, percent-encodes the rest.
-
-    Never ``.`` or ``..``; an encoding longer than 200 bytes becomes
-    ``sha256-<hex>`` of the UTF-8 value. Injective: a short value that would itself
-    start with ``sha256-`` has its first byte encoded.
-    """
-    raw = value.encode("utf-8")
-    out = "".join(chr(b) if _SAFE.fullmatch(bytes([b])) else f"%{b:02X}" for b in raw)
-    if out in ("", ".", ".."):
-        out = "".join(f"%{b:02X}" for b in raw) or "%00"
-    if len(out) > MAX_SAFE_BYTES:
-        return _HASH_MARK + hashlib.sha256(raw).hexdigest()
-    if out.startswith(_HASH_MARK):
-        out = f"%{ord(out[0]):02X}" + out[1:]
-    return out
-
-
-def result_key(prefix: str, batch_id: str | None, custom_id: str) -> str:
-    """``<prefix>/<batch_id or "default">/<safe(custom_id)>.json`` (no prefix: no leading /)."""
-    batch = safe_segment(batch_id) if batch_id else DEFAULT_BATCH
-    key = f"{batch}/{safe_segment(custom_id)}.json"
-    prefix = prefix.strip("/")
-    return f"{prefix}/{key}" if prefix else key
 
 
 def _is_number(value: Any) -> bool:

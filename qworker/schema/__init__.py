@@ -1,0 +1,46 @@
+"""Job messages in, result records out: the OpenAI Batch formats of DESIGN.md.
+
+One module per concept: ``jobs`` parses and validates a raw message (``parse_job``),
+``records`` builds the output lines (``success_record`` / ``error_record``), ``keys``
+the object key of a result (``result_key``). The names are re-exported here so callers
+import them from ``qworker.schema``.
+"""
+
+from qworker.schema.jobs import (
+    CHAT_URL,
+    COMPLETIONS_URL,
+    MAX_METADATA_DEPTH,
+    MAX_N,
+    Job,
+    JobKind,
+    ParsedJob,
+    parse_job,
+)
+from qworker.schema.keys import DEFAULT_BATCH, MAX_SAFE_BYTES, result_key, safe_segment
+from qworker.schema.records import (
+    dumps,
+    error_record,
+    error_record_for,
+    new_id,
+    success_record,
+)
+
+__all__ = [
+    "CHAT_URL",
+    "COMPLETIONS_URL",
+    "DEFAULT_BATCH",
+    "MAX_METADATA_DEPTH",
+    "MAX_N",
+    "MAX_SAFE_BYTES",
+    "Job",
+    "JobKind",
+    "ParsedJob",
+    "dumps",
+    "error_record",
+    "error_record_for",
+    "new_id",
+    "parse_job",
+    "result_key",
+    "safe_segment",
+    "success_record",
+]

@@ -1,0 +1,43 @@
+"""Object keys of result records: ``<prefix>/<batch>/<safe(custom_id)>.json``.
+
+``safe_segment`` makes any string a safe, injective key segment; ``result_key``
+builds the full key that every sink is given.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+DEFAULT_BATCH = "default"
+MAX_SAFE_BYTES = 200
+_HASH_MARK = "sha256-"
+_SAFE = re.compile(rb"[A-Za-z0-9._-]")
+
+
+
+def safe_segment(value: str) -> str:
+    """One key segment for ``value``: keeps ``[A-Za-z0-9._-]``, percent-encodes the rest.
+
+    Never ``.`` or ``..``; an encoding longer than 200 bytes becomes
+    ``sha256-<hex>`` of the UTF-8 value. Injective: a short value that would itself
+    start with ``sha256-`` has its first byte encoded.
+    """
+    raw = value.encode("utf-8")
+    out = "".join(chr(b) if _SAFE.fullmatch(bytes([b])) else f"%{b:02X}" for b in raw)
+    if out in ("", ".", ".."):
+        out = "".join(f"%{b:02X}" for b in raw) or "%00"
+    if len(out) > MAX_SAFE_BYTES:
+        return _HASH_MARK + hashlib.sha256(raw).hexdigest()
+    if out.startswith(_HASH_MARK):
+        out = f"%{ord(out[0]):02X}" + out[1:]
+    return out
+
+
+def result_key(prefix: str, batch_id: str | None, custom_id: str) -> str:
+    """``<prefix>/<batch_id or "default">/<safe(custom_id)>.json`` (no prefix: no leading /)."""
+    batch = safe_segment(batch_id) if batch_id else DEFAULT_BATCH
+    key = f"{batch}/{safe_segment(custom_id)}.json"
+    prefix = prefix.strip("/")
+    return f"{prefix}/{key}" if prefix else key
+
