@@ -24,6 +24,8 @@ How the pieces fit:
   topic) with ``qworker-dlq-reason`` / ``qworker-source`` headers, then acks it.
   The producer uses neither idempotence nor transactions (the tansu test broker
   lacks them); the DLQ topic must exist or the broker must auto-create it.
+
+Partition bookkeeping lives in ``kafka_rebalance``, producing in ``kafka_produce``.
 """
 
 from __future__ import annotations
@@ -35,20 +37,40 @@ import time
 import urllib.parse
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import ConsumerStoppedError, KafkaError
 from aiokafka.structs import OffsetAndMetadata
 
-from qworker.worker.offsets import PartitionWatermark
 from qworker.worker.sources.base import Message, Source
+from qworker.worker.sources.kafka_produce import (
+    DLQ_REASON_HEADER,
+    DLQ_SOURCE_HEADER,
+    DeadLetterProducer,
+    produce_to,
+)
+from qworker.worker.sources.kafka_rebalance import (
+    KafkaHandle,
+    PartitionBook,
+    PartitionState,
+    RebalanceListener,
+)
+
+__all__ = [
+    "DEFAULT_GROUP",
+    "DLQ_REASON_HEADER",
+    "DLQ_SOURCE_HEADER",
+    "KafkaHandle",
+    "KafkaSource",
+    "KafkaURI",
+    "open_source",
+    "produce",
+]
 
 log = logging.getLogger(__name__)
 
-DLQ_REASON_HEADER = "qworker-dlq-reason"
-DLQ_SOURCE_HEADER = "qworker-source"
 DEFAULT_GROUP = "qworker"
 
 
@@ -71,25 +93,6 @@ class KafkaURI:
             raise ValueError(f"source {uri!r} must be kafka://host:port[,host:port]/topic")
         group = urllib.parse.parse_qs(parts.query).get("group", [DEFAULT_GROUP])[0]
         return cls(bootstrap=parts.netloc, topic=topic, group=group)
-
-
-@dataclass(slots=True)
-class KafkaHandle:
-    """``Message.handle`` of a Kafka message: where it came from, under which assignment."""
-
-    tp: TopicPartition
-    offset: int
-    epoch: int
-
-
-@dataclass(slots=True)
-class _Partition:
-    """What the source knows about one assigned partition."""
-
-    epoch: int
-    watermark: PartitionWatermark
-    inflight: dict[int, Message] = field(default_factory=dict)
-    parked: list[Message] = field(default_factory=list)
 
 
 class KafkaSource(Source):
@@ -132,14 +135,11 @@ class KafkaSource(Source):
         #: Times the poll task paused partitions for backpressure (for tests/metrics).
         self.pauses = 0
         self._consumer: AIOKafkaConsumer | None = None
-        self._producer: AIOKafkaProducer | None = None
-        self._producer_lock = asyncio.Lock()
+        self._dlq = DeadLetterProducer(bootstrap, self.dlq_topic, request_timeout)
         self._commit_lock = asyncio.Lock()
-        self._parts: dict[TopicPartition, _Partition] = {}
-        self._parked: dict[TopicPartition, _Partition] = {}
+        self._book = PartitionBook()
         self._buffer: deque[Message] = deque()
         self._ready = asyncio.Event()
-        self._epoch = 0
         self._paused = False
         self._closed = False
         self._tasks: list[asyncio.Task[None]] = []
@@ -160,7 +160,8 @@ class KafkaSource(Source):
             max_poll_records=self.buffer_size,
             max_poll_interval_ms=self.max_poll_interval_ms,
         )
-        self._consumer.subscribe([self.topic], listener=_Listener(self))
+        listener = RebalanceListener(self._on_revoked, self._on_assigned)
+        self._consumer.subscribe([self.topic], listener=listener)
         await self._consumer.start()
         self._tasks = [
             asyncio.create_task(self._poll_loop(), name="kafka-poll"),
@@ -213,9 +214,7 @@ class KafkaSource(Source):
                 coordinator.generation = 1  # type: ignore[union-attr]
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._consumer.stop(), self.request_timeout)
-        if self._producer is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._producer.stop(), self.request_timeout)
+        await self._dlq.stop()
         self._ready.set()
         log.info("kafka source closed topic=%s group=%s", self.topic, self.group)
 
@@ -239,7 +238,7 @@ class KafkaSource(Source):
         while self._buffer and len(out) < max_messages:
             msg = self._buffer.popleft()
             handle: KafkaHandle = msg.handle
-            part = self._parts.get(handle.tp)
+            part = self._book.owned.get(handle.tp)
             if part is None or part.epoch != handle.epoch:
                 continue
             part.inflight[handle.offset] = msg
@@ -264,7 +263,7 @@ class KafkaSource(Source):
         handle: KafkaHandle = msg.handle
         if part.inflight.pop(handle.offset, None) is None or self._closed:
             return
-        if handle.tp in self._parked:
+        if handle.tp in self._book.parked:
             part.parked.append(msg)  # handed out again if the partition comes back
         else:
             self._buffer.appendleft(msg)
@@ -275,16 +274,7 @@ class KafkaSource(Source):
 
         Raises (and does not ack) when the DLQ produce fails.
         """
-        producer = await self._dlq_producer()
-        headers = [
-            (DLQ_REASON_HEADER, reason.encode("utf-8", "replace")),
-            (DLQ_SOURCE_HEADER, msg.message_id.encode()),
-        ]
-        key = msg.key.encode() if msg.key is not None else None
-        await asyncio.wait_for(
-            producer.send_and_wait(self.dlq_topic, msg.body, key=key, headers=headers),
-            self.request_timeout,
-        )
+        await self._dlq.send(msg, reason)
         log.warning("dead-lettered message_id=%s to %s: %s", msg.message_id, self.dlq_topic, reason)
         await self.ack(msg)
 
@@ -293,7 +283,7 @@ class KafkaSource(Source):
     @property
     def uncommitted_offsets(self) -> int:
         """Offsets fetched past the last commit, over all owned partitions."""
-        return sum(p.watermark.uncommitted for p in self._parts.values())
+        return sum(p.watermark.uncommitted for p in self._book.owned.values())
 
     def uncommitted_count(self) -> int:
         """``qworker_uncommitted_offsets``: offsets fetched past the last commit."""
@@ -306,7 +296,7 @@ class KafkaSource(Source):
 
     def watermarks(self) -> dict[int, int | None]:
         """Partition number -> current watermark of the owned partitions."""
-        return {tp.partition: p.watermark.watermark for tp, p in self._parts.items()}
+        return {tp.partition: p.watermark.watermark for tp, p in self._book.owned.items()}
 
     # -- commits ---------------------------------------------------------------------
 
@@ -319,10 +309,10 @@ class KafkaSource(Source):
         if self._consumer is None:
             return
         async with self._commit_lock:
-            wanted = set(only) if only is not None else set(self._parts)
+            wanted = set(only) if only is not None else set(self._book.owned)
             offsets: dict[TopicPartition, OffsetAndMetadata] = {}
             for tp in wanted:
-                part = self._parts.get(tp)
+                part = self._book.owned.get(tp)
                 if part is not None and part.watermark.needs_commit():
                     mark = part.watermark.watermark
                     assert mark is not None
@@ -335,7 +325,7 @@ class KafkaSource(Source):
                 log.warning("kafka commit failed (will retry): %r", exc)
                 return
             for tp, om in offsets.items():
-                part = self._parts.get(tp)
+                part = self._book.owned.get(tp)
                 if part is not None:
                     part.watermark.mark_committed(om.offset)
             log.debug("kafka committed %s", {tp.partition: om.offset for tp, om in offsets.items()})
@@ -367,7 +357,7 @@ class KafkaSource(Source):
                 self._ready.set()
 
     def _take(self, tp: TopicPartition, records: list[Any]) -> None:
-        part = self._parts.get(tp)
+        part = self._book.owned.get(tp)
         if part is None:
             return  # revoked while the fetch was in flight
         now = time.time()
@@ -395,7 +385,7 @@ class KafkaSource(Source):
     def _apply_backpressure(self) -> None:
         consumer = self._consumer
         assert consumer is not None
-        owned = [tp for tp in self._parts if tp in consumer.assignment()]
+        owned = [tp for tp in self._book.owned if tp in consumer.assignment()]
         if len(self._buffer) >= self.buffer_size:
             if not self._paused:
                 self._paused = True
@@ -408,47 +398,20 @@ class KafkaSource(Source):
 
     # -- rebalances ------------------------------------------------------------------
 
-    def _owner(self, msg: Message) -> _Partition | None:
-        handle: KafkaHandle = msg.handle
-        part = self._parts.get(handle.tp) or self._parked.get(handle.tp)
-        if part is None or part.epoch != handle.epoch:
-            return None
-        return part
+    def _owner(self, msg: Message) -> PartitionState | None:
+        return self._book.owner(msg.handle)
 
     async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
         if self._closed:
             return
         await self.commit(only=revoked)
-        for tp in revoked:
-            part = self._parts.pop(tp, None)
-            if part is not None:
-                self._parked[tp] = part
-        kept: deque[Message] = deque()
-        for msg in self._buffer:
-            parked = self._parked.get(msg.handle.tp)
-            if parked is not None:
-                parked.parked.append(msg)
-            else:
-                kept.append(msg)
-        self._buffer = kept
+        self._buffer = self._book.park(revoked, self._buffer)
         log.info("kafka partitions revoked: %s", sorted(tp.partition for tp in revoked))
 
     async def _on_assigned(self, assigned: set[TopicPartition]) -> None:
         consumer = self._consumer
         assert consumer is not None
-        lost: list[Message] = []
-        for tp, part in self._parked.items():
-            if tp in assigned and await self._still_ours(tp, part):
-                self._parts[tp] = part
-                self._buffer.extend(part.parked)
-                part.parked = []
-            else:
-                lost.extend(part.inflight.values())
-        self._parked = {}
-        for tp in assigned:
-            if tp not in self._parts:
-                self._epoch += 1
-                self._parts[tp] = _Partition(self._epoch, PartitionWatermark())
+        lost = await self._book.assign(assigned, self._still_ours, self._buffer)
         if self._paused:
             self._paused = False
             consumer.resume(*assigned)
@@ -460,7 +423,7 @@ class KafkaSource(Source):
             if self.on_revoke is not None:
                 self.on_revoke(lost)
 
-    async def _still_ours(self, tp: TopicPartition, part: _Partition) -> bool:
+    async def _still_ours(self, tp: TopicPartition, part: PartitionState) -> bool:
         # If someone else committed past our last commit while we were out of the group
         # (a lapsed session), our parked state is stale: start fresh from their commit.
         assert self._consumer is not None
@@ -472,30 +435,6 @@ class KafkaSource(Source):
         if mine is None:
             mine = part.watermark.first  # never committed: we started from their offset
         return committed is None or (mine is not None and committed <= mine)
-
-    async def _dlq_producer(self) -> AIOKafkaProducer:
-        async with self._producer_lock:
-            if self._producer is None:
-                producer = AIOKafkaProducer(
-                    bootstrap_servers=self.bootstrap,
-                    enable_idempotence=False,
-                    acks="all",
-                    request_timeout_ms=int(self.request_timeout * 1000),
-                )
-                await producer.start()
-                self._producer = producer
-            return self._producer
-
-
-class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
-    def __init__(self, source: KafkaSource) -> None:
-        self.source = source
-
-    async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
-        await self.source._on_revoked(set(revoked))
-
-    async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
-        await self.source._on_assigned(set(assigned))
 
 
 def open_source(uri: str, settings: Any) -> KafkaSource:
@@ -518,25 +457,4 @@ async def produce(uri: str, items: Iterable[tuple[str | None, bytes]], settings:
     Waits for every send to be acknowledged by the broker (``acks="all"``).
     """
     parsed = KafkaURI.parse(uri)
-    producer = AIOKafkaProducer(
-        bootstrap_servers=parsed.bootstrap,
-        enable_idempotence=False,
-        acks="all",
-        linger_ms=5,
-    )
-    await producer.start()
-    count = 0
-    try:
-        pending: list[asyncio.Future[Any]] = []
-        for key, body in items:
-            pending.append(
-                await producer.send(parsed.topic, body, key=key.encode() if key else None)
-            )
-            count += 1
-            if len(pending) >= 1000:
-                await asyncio.gather(*pending)
-                pending = []
-        await asyncio.gather(*pending)
-    finally:
-        await producer.stop()
-    return count
+    return await produce_to(parsed.bootstrap, parsed.topic, items)

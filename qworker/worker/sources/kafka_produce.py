@@ -1,0 +1,89 @@
+"""Producing to Kafka: the source's dead-letter producer and bulk ``produce``.
+
+Producers use neither idempotence nor transactions (the tansu test broker lacks
+them) and wait for ``acks="all"``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterable
+from typing import Any
+
+from aiokafka import AIOKafkaProducer
+
+from qworker.worker.sources.base import Message
+
+DLQ_REASON_HEADER = "qworker-dlq-reason"
+DLQ_SOURCE_HEADER = "qworker-source"
+
+
+class DeadLetterProducer:
+    """Sends dead-lettered messages to one DLQ topic; the producer starts on first use.
+
+    The DLQ topic must exist or the broker must auto-create it.
+    """
+
+    def __init__(self, bootstrap: str, topic: str, request_timeout: float) -> None:
+        self.bootstrap = bootstrap
+        self.topic = topic
+        self.request_timeout = request_timeout
+        self._producer: AIOKafkaProducer | None = None
+        self._lock = asyncio.Lock()
+
+    async def send(self, msg: Message, reason: str) -> None:
+        """Produce ``msg``'s raw body and key with reason / source headers; raises on failure."""
+        producer = await self._started()
+        headers = [
+            (DLQ_REASON_HEADER, reason.encode("utf-8", "replace")),
+            (DLQ_SOURCE_HEADER, msg.message_id.encode()),
+        ]
+        key = msg.key.encode() if msg.key is not None else None
+        await asyncio.wait_for(
+            producer.send_and_wait(self.topic, msg.body, key=key, headers=headers),
+            self.request_timeout,
+        )
+
+    async def stop(self) -> None:
+        """Stop the producer if it was started; never raises."""
+        if self._producer is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._producer.stop(), self.request_timeout)
+
+    async def _started(self) -> AIOKafkaProducer:
+        async with self._lock:
+            if self._producer is None:
+                producer = AIOKafkaProducer(
+                    bootstrap_servers=self.bootstrap,
+                    enable_idempotence=False,
+                    acks="all",
+                    request_timeout_ms=int(self.request_timeout * 1000),
+                )
+                await producer.start()
+                self._producer = producer
+            return self._producer
+
+
+async def produce_to(bootstrap: str, topic: str, items: Iterable[tuple[str | None, bytes]]) -> int:
+    """Send every ``(key, body)`` to ``topic``; return the count once all are acknowledged."""
+    producer = AIOKafkaProducer(
+        bootstrap_servers=bootstrap,
+        enable_idempotence=False,
+        acks="all",
+        linger_ms=5,
+    )
+    await producer.start()
+    count = 0
+    try:
+        pending: list[asyncio.Future[Any]] = []
+        for key, body in items:
+            pending.append(await producer.send(topic, body, key=key.encode() if key else None))
+            count += 1
+            if len(pending) >= 1000:
+                await asyncio.gather(*pending)
+                pending = []
+        await asyncio.gather(*pending)
+    finally:
+        await producer.stop()
+    return count
