@@ -20,26 +20,9 @@ from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
-from qworker.config import WorkerSettings
+from qworker.config import ENGINE_FIELDS, WorkerSettings
 
 T = TypeVar("T")
-
-_ENGINE_FIELDS = (
-    "dtype",
-    "device",
-    "block_size",
-    "num_kv_blocks",
-    "kv_cache_memory",
-    "gpu_memory_utilization",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "max_model_len",
-    "enable_prefix_caching",
-    "preemption_mode",
-    "swap_space",
-    "attention_backend",
-    "seed",
-)
 
 
 def _flag_type(annotation: Any) -> tuple[Any, list[Any] | None, bool]:
@@ -127,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("-i", "--input", required=True, help="requests.jsonl (OpenAI batch input)")
     gen.add_argument("-o", "--output", required=True, help="results.jsonl to write")
     gen.add_argument("--window", type=int, default=256, help="jobs read ahead (default 256)")
-    add_settings_flags(gen, ("model", "max_job_bytes", *_ENGINE_FIELDS))
+    add_settings_flags(gen, ("model", "max_job_bytes", *ENGINE_FIELDS))
 
     prod = sub.add_parser("produce", help="push an OpenAI batch file as jobs to a source URI")
     prod.add_argument("-i", "--input", required=True, help="requests.jsonl")

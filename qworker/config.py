@@ -19,6 +19,23 @@ from qworker.engine.config import EngineConfig
 
 SMOLLM2_ALIAS = "smollm2"
 ECHO_PREFIX = "echo://"
+#: The ``WorkerSettings`` fields that ``engine_config()`` passes to ``EngineConfig``.
+ENGINE_FIELDS = (
+    "dtype",
+    "device",
+    "block_size",
+    "num_kv_blocks",
+    "kv_cache_memory",
+    "gpu_memory_utilization",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_model_len",
+    "enable_prefix_caching",
+    "preemption_mode",
+    "swap_space",
+    "attention_backend",
+    "seed",
+)
 
 
 class WorkerSettings(BaseSettings):
@@ -198,25 +215,7 @@ class WorkerSettings(BaseSettings):
 
     def engine_config(self) -> EngineConfig:
         """The ``EngineConfig`` these settings describe (model alias resolved)."""
-        fields: dict[str, Any] = {
-            name: getattr(self, name)
-            for name in (
-                "dtype",
-                "device",
-                "block_size",
-                "num_kv_blocks",
-                "kv_cache_memory",
-                "gpu_memory_utilization",
-                "max_num_seqs",
-                "max_num_batched_tokens",
-                "max_model_len",
-                "enable_prefix_caching",
-                "preemption_mode",
-                "swap_space",
-                "attention_backend",
-                "seed",
-            )
-        }
+        fields: dict[str, Any] = {name: getattr(self, name) for name in ENGINE_FIELDS}
         return EngineConfig(model=self.resolved_model(), **fields)
 
 

@@ -38,6 +38,7 @@ import torch
 
 from qworker.engine.detokenizer import full_output_text, start_offsets
 from qworker.engine.model_runner import StepInput
+from qworker.engine.output_processor import finished_output
 from qworker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from qworker.engine.sampling_params import SamplingParams
 from qworker.engine.sequence import Request, Sequence, SequenceStatus
@@ -408,15 +409,7 @@ class BeamSearch:
                 cumulative_logprob=hyp.cumulative_logprob,
                 finish_reason=hyp.finish_reason,
             ))
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=outputs,
-            finished=True,
-            metrics=request.metrics,
-            num_cached_tokens=request.num_cached_tokens,
-        )
+        return finished_output(request, outputs)
 
     def _text(self, request: Request, hyp: Hypothesis) -> str:
         tokenizer = self.engine.tokenizer

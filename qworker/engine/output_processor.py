@@ -15,6 +15,19 @@ from qworker.engine.outputs import CompletionOutput, RequestOutput
 from qworker.engine.sequence import Request, Sequence, SequenceStatus
 
 
+def finished_output(request: Request, outputs: list[CompletionOutput]) -> RequestOutput:
+    """The final ``RequestOutput`` of ``request`` with ``outputs`` (given in index order)."""
+    return RequestOutput(
+        request_id=request.request_id,
+        prompt=request.prompt,
+        prompt_token_ids=request.prompt_token_ids,
+        outputs=outputs,
+        finished=True,
+        metrics=request.metrics,
+        num_cached_tokens=request.num_cached_tokens,
+    )
+
+
 class OutputProcessor:
     """Stateless apart from its settings; the engine thread calls it."""
 
@@ -72,15 +85,7 @@ class OutputProcessor:
                     stop_reason=seq.stop_reason,
                 )
             )
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=outputs,
-            finished=True,
-            metrics=request.metrics,
-            num_cached_tokens=request.num_cached_tokens,
-        )
+        return finished_output(request, outputs)
 
     def _text(self, seq: Sequence) -> str:
         if self.tokenizer is None or seq.num_output_tokens == 0:
