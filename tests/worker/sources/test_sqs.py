@@ -12,6 +12,7 @@ import pytest
 
 pytest.importorskip("boto3")
 
+from qworker.testing.faultproxy import FaultProxy
 from qworker.worker.aws import ClientOptions, make_client
 from qworker.worker.sources.base import Message
 from qworker.worker.sources.sqs import (
@@ -135,29 +136,41 @@ def test_heartbeats_keep_a_long_job_invisible_to_other_workers(
     asyncio.run(go())
 
 
-def test_a_batch_of_held_messages_stays_invisible_over_several_visibility_periods(
+def test_held_messages_stay_invisible_over_several_visibility_periods_on_a_slow_server(
     moto_server: str, sqs_queue: Callable[..., QueueInfo]
 ) -> None:
-    """35 messages (4 heartbeat batches) held for ~3 visibility timeouts are never stolen."""
+    """60 held messages (6 heartbeat batches), every SQS call 0.5 s, visibility 3 s.
+
+    Regression: batches renewed one after another (3 s a round here) and rounds timed
+    from the previous one's end let half of them expire and go to other workers.
+    """
     queue = sqs_queue()
+    peek = boto_client("sqs", moto_server)
 
     async def go() -> None:
-        await _fill(moto_server, queue.url, 35)
-        worker = _source(moto_server, queue.url, visibility_timeout=3)  # rounds every 1 s
-        other = _source(moto_server, queue.url, visibility_timeout=3)
-        await worker.start()
-        msgs = await _receive_n(worker, 35)
-        assert len(msgs) == 35
-        await other.start()
-        stolen = await _receive_n(other, 1, timeout=8.0)
-        assert stolen == []
-        assert _counts(moto_server, queue.url) == (0, 35)
-        assert worker.heartbeats >= 35 * 5
-        for msg in msgs[:20]:
-            await worker.abandon(msg)  # batched by the releaser, flushed by close
-        await worker.close()
-        assert _counts(moto_server, queue.url) == (35, 0)
-        await other.close()
+        await _fill(moto_server, queue.url, 60)
+        with FaultProxy(moto_server, latency=0.5) as slow:
+            client = make_client("sqs", ClientOptions(endpoint_url=slow.url, read_timeout=30))
+            worker = SqsSource(client, queue.url, visibility_timeout=3)  # rounds every 1 s
+            await worker.start()
+            try:
+                msgs = await _receive_n(worker, 60, timeout=30)
+                assert len(msgs) == 60
+                held_until = time.monotonic() + 8  # well over two visibility timeouts
+                while time.monotonic() < held_until:
+                    seen = await asyncio.to_thread(
+                        peek.receive_message, QueueUrl=queue.url, MaxNumberOfMessages=10,
+                        VisibilityTimeout=0, WaitTimeSeconds=0,
+                    )
+                    assert seen.get("Messages", []) == []
+                    assert _counts(moto_server, queue.url) == (0, 60)
+                    await asyncio.sleep(0.5)
+                assert worker.heartbeats >= 60 * 5
+                for msg in msgs[:25]:
+                    await worker.abandon(msg)  # batched by the releaser, flushed by close
+            finally:
+                await worker.close()
+        assert _counts(moto_server, queue.url) == (60, 0)
 
     asyncio.run(go())
 
