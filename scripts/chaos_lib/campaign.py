@@ -323,6 +323,29 @@ class Campaign:
             self.fleet.tick(want_workers=True)
             time.sleep(0.3)
         self.fleet.settle(cfg.until_idle + 40)
+        if cfg.queue == "sqs":
+            self._settle_sqs(moto_url, rounds=3)
+
+    def _settle_sqs(self, moto_url: str, rounds: int) -> None:
+        """Settle again while the queue still holds messages.
+
+        Messages a SIGKILLed worker held (results written, deletes not sent) reappear only
+        when their visibility timeout runs out, which can be after the settling workers
+        went idle: wait it out and let a fresh round absorb them as duplicates.
+        """
+        sqs = _sqs(moto_url)
+        for _ in range(rounds):
+            attrs = sqs.get_queue_attributes(
+                QueueUrl=self.queue_url,
+                AttributeNames=["ApproximateNumberOfMessages",
+                                "ApproximateNumberOfMessagesNotVisible"])["Attributes"]
+            left = sum(int(v) for v in attrs.values())
+            if not left:
+                return
+            log.info("settle: %d message(s) still queued or in flight; waiting out visibility",
+                     left)
+            time.sleep(self.cfg.sqs_visibility + 1)
+            self.fleet.settle(self.cfg.until_idle + 40)
 
     # -- the books -----------------------------------------------------------------
     async def _kafka_books(self) -> None:
