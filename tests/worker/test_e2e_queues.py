@@ -206,6 +206,31 @@ def _wait_for_results(endpoint: str, bucket: str, at_least: int, timeout: float 
     raise AssertionError(f"fewer than {at_least} results after {timeout}s")
 
 
+def _sigterm_mid_batch(source: str, sink: str, env: dict[str, str], log: Path,
+                       endpoint: str, bucket: str) -> float:
+    """Run a worker until a few results exist, SIGTERM it mid-batch; return the drain's wall
+    time after asserting it exited 0."""
+    with running(_run_cmd(source, sink, until_idle=30), env, log) as proc:
+        _wait_for_results(endpoint, bucket, at_least=4)
+        time.sleep(0.5)  # the next group of jobs is half done
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0, log.read_text()[-3000:]
+        return time.monotonic() - started
+
+
+def _slow_env(aws_env: dict[str, str], **extra: str) -> dict[str, str]:
+    """Jobs of ~1 s each, 4 in flight, a 0.3 s drain: jobs in flight at SIGTERM are abandoned."""
+    return _env(aws_env, QWORKER_MODEL="echo://?delay_ms=50&steps=20",
+                QWORKER_MAX_INFLIGHT_JOBS="4", QWORKER_DRAIN_SECONDS="0.3", **extra)
+
+
+def _rerun_to_completion(source: str, sink: str, env: dict[str, str], log: Path) -> None:
+    """Run a fresh worker until idle and assert it exited 0."""
+    with running(_run_cmd(source, sink), env, log) as proc:
+        assert proc.wait(timeout=90) == 0, log.read_text()[-3000:]
+
+
 def _malformed() -> tuple[list[bytes], dict[str, str], int]:
     """Malformed jobs: (lines, custom_id -> expected error code, number of dead letters)."""
     unknown_url = _job(900)
@@ -335,8 +360,7 @@ def test_kafka_worker_killed_mid_batch_and_restarted_leaves_no_job_missing(
     assert written_before < n, "the worker finished everything before it was killed"
 
     fast = _env(aws_env)
-    with running(_run_cmd(source, sink), fast, tmp_path / "second.log") as proc:
-        assert proc.wait(timeout=90) == 0, (tmp_path / "second.log").read_text()[-3000:]
+    _rerun_to_completion(source, sink, fast, tmp_path / "second.log")
     _assert_one_valid_result_per_job(moto_server, s3_bucket, [f"job-{i:03d}" for i in range(n)])
     assert sum(_kafka_committed(kafka_broker, "killed", topic, 2).values()) == n
 
@@ -352,24 +376,12 @@ def test_kafka_sigterm_drain_commits_only_finished_work_and_the_rest_is_redelive
     topic = kafka_topic(1)  # one partition: offset i is job i
     n = 40
     jobs = _write_jobs(tmp_path / "requests.jsonl", _good_jobs(n))
-    # Each job needs ~1 s; the drain grants 0.3 s, so jobs in flight at SIGTERM are abandoned.
-    slow = _env(
-        aws_env,
-        QWORKER_MODEL="echo://?delay_ms=50&steps=20",
-        QWORKER_MAX_INFLIGHT_JOBS="4",
-        QWORKER_DRAIN_SECONDS="0.3",
-    )
     source = f"kafka://{kafka_broker}/{topic}?group=drained"
     sink = f"s3://{s3_bucket}/{PREFIX}"
     _produce_fast(source, jobs, moto_server)
 
-    with running(_run_cmd(source, sink, until_idle=30), slow, tmp_path / "first.log") as proc:
-        _wait_for_results(moto_server, s3_bucket, at_least=4)
-        time.sleep(0.5)  # the next group of jobs is half done
-        started = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=20) == 0, (tmp_path / "first.log").read_text()[-3000:]
-        drain_wall = time.monotonic() - started
+    drain_wall = _sigterm_mid_batch(source, sink, _slow_env(aws_env), tmp_path / "first.log",
+                                    moto_server, s3_bucket)
     assert drain_wall < 10
 
     committed = _kafka_committed(kafka_broker, "drained", topic, 1)[0]
@@ -379,8 +391,7 @@ def test_kafka_sigterm_drain_commits_only_finished_work_and_the_rest_is_redelive
         assert result_key(PREFIX, BATCH, f"job-{offset:03d}") in stored, offset
     assert len(stored) < n, "every job finished before the drain: nothing was redelivered"
 
-    with running(_run_cmd(source, sink), _env(aws_env), tmp_path / "second.log") as proc:
-        assert proc.wait(timeout=90) == 0, (tmp_path / "second.log").read_text()[-3000:]
+    _rerun_to_completion(source, sink, _env(aws_env), tmp_path / "second.log")
     _assert_one_valid_result_per_job(moto_server, s3_bucket, [f"job-{i:03d}" for i in range(n)])
     assert _kafka_committed(kafka_broker, "drained", topic, 1)[0] == n
 
@@ -395,29 +406,18 @@ def test_sqs_sigterm_drain_makes_unfinished_jobs_visible_again_at_once(
     queue = sqs_queue(visibility=300)  # an unreleased job would stay hidden for 5 minutes
     n = 30
     jobs = _write_jobs(tmp_path / "requests.jsonl", _good_jobs(n))
-    slow = _env(
-        aws_env,
-        QWORKER_MODEL="echo://?delay_ms=50&steps=20",
-        QWORKER_MAX_INFLIGHT_JOBS="4",
-        QWORKER_DRAIN_SECONDS="0.3",
-        QWORKER_SQS_VISIBILITY_TIMEOUT="300",
-    )
     source = f"sqs://{queue.url}"
     sink = f"s3://{s3_bucket}/{PREFIX}"
     _produce_fast(source, jobs, moto_server)
 
-    with running(_run_cmd(source, sink, until_idle=30), slow, tmp_path / "first.log") as proc:
-        _wait_for_results(moto_server, s3_bucket, at_least=4)
-        time.sleep(0.5)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=20) == 0, (tmp_path / "first.log").read_text()[-3000:]
+    _sigterm_mid_batch(source, sink, _slow_env(aws_env, QWORKER_SQS_VISIBILITY_TIMEOUT="300"),
+                       tmp_path / "first.log", moto_server, s3_bucket)
     stored = _count(moto_server, s3_bucket)
     visible, hidden = _queue_counts(moto_server, queue.url)
     assert hidden == 0, "a drained worker left jobs invisible"
     assert visible == n - stored
 
-    with running(_run_cmd(source, sink), _env(aws_env), tmp_path / "second.log") as proc:
-        assert proc.wait(timeout=90) == 0, (tmp_path / "second.log").read_text()[-3000:]
+    _rerun_to_completion(source, sink, _env(aws_env), tmp_path / "second.log")
     _assert_one_valid_result_per_job(moto_server, s3_bucket, [f"job-{i:03d}" for i in range(n)])
     assert _queue_counts(moto_server, queue.url) == (0, 0)
 
