@@ -11,6 +11,7 @@ import asyncio
 import importlib
 import importlib.util
 import logging
+import os
 import sys
 import threading
 import types
@@ -21,6 +22,7 @@ from typing import Any, TypeVar
 from pydantic import ValidationError
 
 from qworker.config import ENGINE_FIELDS, WorkerSettings
+from qworker.worker.exit_codes import ExitCode
 
 T = TypeVar("T")
 
@@ -134,18 +136,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "cost":
         return _cost(argv[1:])
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # a usage error is a configuration error: exit 1, not 2
+        raise SystemExit(1 if exc.code == 2 else exc.code) from None
     try:
         settings = load_settings(args)
     except ValidationError as exc:
         print(_settings_error(exc), file=sys.stderr)
-        return 2
+        return 1
     handler = {"run": _run, "generate": _generate, "produce": _produce, "collect": _collect}
     try:
         return handler[args.command](args, settings)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"qworker {args.command}: {exc}", file=sys.stderr)
-        return 2
+        return 1
 
 
 def _run(args: argparse.Namespace, settings: WorkerSettings) -> int:
@@ -154,12 +159,20 @@ def _run(args: argparse.Namespace, settings: WorkerSettings) -> int:
 
     configure_logging(settings.log_level, settings.log_format)
     code, summary = asyncio.run(serve(settings))
+    if code == ExitCode.CONFIG:
+        return code  # the one line saying why was logged; no summary of nothing
     if settings.log_format == "json":
         logging.getLogger("qworker.cli").info("qworker run summary", extra=summary.as_dict())
     else:
         print(
             f"qworker run summary (results in {settings.sink})\n{summary.text()}", file=sys.stderr
         )
+    if code == ExitCode.ENGINE:
+        # A hung engine step may never return: do not wait for its thread at exit.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(code)
     return code
 
 

@@ -162,13 +162,13 @@ def test_produce_then_run_then_collect_over_files(tmp_path: Path) -> None:
     assert errors[0]["error"]["code"] == "invalid_request"
 
 
-def test_bad_settings_exit_2_with_a_clear_message(capsys) -> None:
-    assert main(["run", "--source", "ftp://x/y"]) == 2
+def test_bad_settings_exit_1_with_a_clear_message(capsys) -> None:
+    assert main(["run", "--source", "ftp://x/y"]) == 1  # configuration: do not retry
     err = capsys.readouterr().err
     assert "source (--source / QWORKER_SOURCE): source 'ftp://x/y' must be kafka://" in err
 
 
-def test_missing_source_file_exits_2(tmp_path: Path, capsys) -> None:
+def test_missing_source_file_exits_1_with_one_line(tmp_path: Path, capsys) -> None:
     code = main(
         [
             "run",
@@ -184,8 +184,9 @@ def test_missing_source_file_exits_2(tmp_path: Path, capsys) -> None:
             "",
         ]
     )
-    assert code == 2
-    assert "nope.jsonl does not exist" in capsys.readouterr().err
+    assert code == 1  # a configuration error: do not retry (docs/operations.md)
+    err = capsys.readouterr().err
+    assert "nope.jsonl does not exist" in err and "Traceback" not in err
 
 
 def test_python_dash_m_qworker_shows_help() -> None:

@@ -79,14 +79,11 @@ class EchoEngine:
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
         return list(text.encode("utf-8"))
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
-        arrival_time: float | None = None,
-    ) -> None:
-        """Validate like the engine (empty, too long, duplicate id) and queue the request."""
+    def validate_prompt(
+        self, prompt: str | list[int], params: SamplingParams
+    ) -> tuple[str | None, list[int]]:
+        """Like the engine's: ``(text or None, token ids)``; raises on empty or too long."""
+        params.validate()
         if isinstance(prompt, str):
             token_ids, text = list(prompt.encode("utf-8")), prompt
         else:
@@ -97,10 +94,32 @@ class EchoEngine:
             raise ContextLengthExceededError(
                 f"prompt is {len(token_ids)} tokens; max_model_len is {self.max_model_len}"
             )
+        return text, token_ids
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validate like the engine (empty, too long, duplicate id) and queue the request."""
+        text, token_ids = self.validate_prompt(prompt, params)
+        self.add_validated(request_id, text, token_ids, params, arrival_time)
+
+    def add_validated(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request whose prompt passed ``validate_prompt`` (duplicate ids refused)."""
         req = _EchoRequest(
             request_id,
-            text,
-            token_ids,
+            prompt,
+            list(prompt_token_ids),
             params,
             RequestMetrics(arrival_time=arrival_time or time.time()),
             self.steps,

@@ -16,6 +16,8 @@ class RunSummary:
     received: int = 0
     completed: Counter[str] = field(default_factory=Counter)
     duplicates: int = 0
+    conflicts: int = 0
+    step_failures: int = 0
     dead_lettered: int = 0
     abandoned: int = 0
     sink_failures: int = 0
@@ -66,8 +68,9 @@ class RunSummary:
         statuses = ", ".join(f"{k}={v}" for k, v in sorted(self.completed.items())) or "none"
         return (
             f"jobs: received {self.received}, completed {done} ({statuses}), "
-            f"duplicates {self.duplicates}, dead-lettered {self.dead_lettered}, "
-            f"abandoned {self.abandoned}\n"
+            f"duplicates {self.duplicates}, conflicts {self.conflicts}, "
+            f"dead-lettered {self.dead_lettered}, abandoned {self.abandoned}, "
+            f"engine step failures {self.step_failures}\n"
             f"tokens: prompt {self.prompt_tokens}, generated {self.generation_tokens} "
             f"in {secs:.1f}s = {self.generation_tokens / secs:.1f} tok/s, "
             f"{done / secs:.2f} jobs/s\n"
@@ -81,6 +84,8 @@ class RunSummary:
             "received": self.received,
             "completed": dict(self.completed),
             "duplicates": self.duplicates,
+            "conflicts": self.conflicts,
+            "step_failures": self.step_failures,
             "dead_lettered": self.dead_lettered,
             "abandoned": self.abandoned,
             "elapsed_s": round(self.elapsed, 3),

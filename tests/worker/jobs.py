@@ -54,3 +54,15 @@ def acked_lines(progress: Path) -> set[int]:
         elif line.strip().isdigit():
             done.add(int(line))
     return done
+
+
+def record_error(record: dict[str, Any]) -> dict[str, Any] | None:
+    """``{"code", "message"}`` of a failed result line (either error shape); None for a success."""
+    error = record.get("error")
+    if isinstance(error, dict):
+        return error
+    response = record.get("response") or {}
+    if response.get("status_code") == 200:
+        return None
+    body = response.get("body") or {}
+    return body.get("error") if isinstance(body, dict) else {}

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from qworker.worker.aws import BlockingRunner, make_client, sqs_options
+from qworker.worker.failures import SourceUnavailableError, StartupError
 from qworker.worker.sources.base import Message, Source
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,7 @@ class SqsSource(Source):
         self._arrived: list[dict[str, Any]] = []
         self._poll: concurrent.futures.Future[Any] | None = None
         self._poll_failed = False
+        self._poll_error: BaseException | None = None  # of the last completed poll
         self._poll_backoff_until = 0.0
         self._runner = BlockingRunner(_CALL_THREADS, "qworker-sqs")
         self._heartbeat_task: asyncio.Task[None] | None = None
@@ -146,15 +148,21 @@ class SqsSource(Source):
         When the queue already holds messages, returns once the first poll delivered
         some (at most ``start_wait`` s), so the caller's first ``receive`` sees them.
         """
-        if not self.queue_url:
-            self.queue_url = (await self._call("get_queue_url", QueueName=self.queue))["QueueUrl"]
-        attrs = (
-            await self._call(
-                "get_queue_attributes",
-                QueueUrl=self.queue_url,
-                AttributeNames=["RedrivePolicy", "ApproximateNumberOfMessages"],
-            )
-        ).get("Attributes", {})
+        try:
+            if not self.queue_url:
+                found = await self._call("get_queue_url", QueueName=self.queue)
+                self.queue_url = found["QueueUrl"]
+            attrs = (
+                await self._call(
+                    "get_queue_attributes",
+                    QueueUrl=self.queue_url,
+                    AttributeNames=["RedrivePolicy", "ApproximateNumberOfMessages"],
+                )
+            ).get("Attributes", {})
+        except Exception as exc:
+            if _is_missing_queue(exc):
+                raise StartupError(f"sqs queue {self.queue!r} does not exist") from None
+            raise
         if self.dlq_url is None:
             self.dlq_url = await self._redrive_target(attrs.get("RedrivePolicy"))
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="sqs-heartbeat")
@@ -185,6 +193,8 @@ class SqsSource(Source):
 
         A background long poll (``long_poll_seconds``, at most 10 messages) keeps
         running across calls, so a short ``timeout`` never turns into short polling.
+        Raises ``SourceUnavailableError`` while the last poll failed (SQS unreachable):
+        the worker rides that out within its outage budget.
         """
         deadline = time.monotonic() + timeout
         while not self._closed:
@@ -194,6 +204,9 @@ class SqsSource(Source):
                 while self._buffer and len(out) < max_messages:
                     out.append(self._buffer.popleft())
                 return out
+            if self._poll_error is not None:
+                self._ensure_poll(max_messages)  # the next try (after a short backoff)
+                raise SourceUnavailableError(f"sqs receive failed: {self._poll_error}")
             self._ensure_poll(max_messages)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -240,15 +253,16 @@ class SqsSource(Source):
         with self._arrival_lock:
             try:
                 raws = fut.result()
-                failed = False
+                error: BaseException | None = None
             except Exception as exc:
                 log.warning("sqs receive failed: %r", exc)
-                raws, failed = [], True
+                raws, error = [], exc
             if self._closed:
                 self._release_sync(raws)
                 return
             self._arrived.extend(raws)
-            self._poll_failed = failed
+            self._poll_failed = error is not None
+            self._poll_error = error
         with contextlib.suppress(RuntimeError):  # the loop is gone: close() handles it
             loop.call_soon_threadsafe(self._on_poll_done)
 
@@ -518,6 +532,13 @@ class SqsSource(Source):
                     self.visibility_timeout,
                 )
             next_at = max(started + self.heartbeat_interval, time.monotonic())
+
+
+def _is_missing_queue(exc: BaseException) -> bool:
+    response = getattr(exc, "response", None)
+    code = str((response or {}).get("Error", {}).get("Code", "")) if isinstance(
+        response, dict) else ""
+    return code in ("AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist")
 
 
 def open_source(uri: str, settings: Any) -> SqsSource:
