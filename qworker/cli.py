@@ -242,6 +242,7 @@ def _produce(args: argparse.Namespace, settings: WorkerSettings) -> int:
 def _collect(args: argparse.Namespace, settings: WorkerSettings) -> int:
     import orjson
 
+    from qworker.schema import is_error_record
     from qworker.worker.sinks import collect
 
     n_ok = n_err = 0
@@ -250,7 +251,7 @@ def _collect(args: argparse.Namespace, settings: WorkerSettings) -> int:
         try:
             for body in collect(args.from_uri, args.batch_id, settings):
                 line = body.strip() + b"\n"
-                is_error = orjson.loads(body).get("error") is not None
+                is_error = is_error_record(orjson.loads(body))
                 (errors if is_error else out).write(line)
                 n_err += is_error
                 n_ok += not is_error

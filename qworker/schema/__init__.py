@@ -1,7 +1,8 @@
-"""Job messages in, result records out: the OpenAI Batch formats of DESIGN.md.
+"""Job messages in, result records out: the OpenAI Batch formats of docs/formats.md.
 
 One module per concept: ``jobs`` parses and validates a raw message (``parse_job``),
-``records`` builds the output lines (``success_record`` / ``error_record``), ``keys``
+``records`` builds the output lines (``success_record`` / ``error_record`` /
+``conflict_record``) and reads them back (``error_of``), ``keys``
 the object key of a result (``result_key``). The names are re-exported here so callers
 import them from ``qworker.schema``.
 """
@@ -18,10 +19,15 @@ from qworker.schema.jobs import (
 )
 from qworker.schema.keys import DEFAULT_BATCH, MAX_SAFE_BYTES, result_key, safe_segment
 from qworker.schema.records import (
+    conflict_record,
     dumps,
+    error_of,
     error_record,
     error_record_for,
+    is_error_record,
     new_id,
+    new_request_id,
+    param_of,
     success_record,
 )
 
@@ -35,10 +41,15 @@ __all__ = [
     "Job",
     "JobKind",
     "ParsedJob",
+    "conflict_record",
     "dumps",
+    "error_of",
     "error_record",
     "error_record_for",
+    "is_error_record",
     "new_id",
+    "new_request_id",
+    "param_of",
     "parse_job",
     "result_key",
     "safe_segment",

@@ -24,6 +24,7 @@ from qworker.schema import (
     dumps,
     error_record,
     error_record_for,
+    is_error_record,
     parse_job,
     success_record,
 )
@@ -84,7 +85,7 @@ def generate_file(
             record = slots.popleft().record
             assert record is not None
             out.write(dumps(record) + b"\n")
-            if record["error"] is None:
+            if not is_error_record(record):
                 stats.ok += 1
             else:
                 stats.errors += 1
