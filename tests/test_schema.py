@@ -15,11 +15,13 @@ orjson = pytest.importorskip("orjson")
 from qworker.engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from qworker.schema import (  # noqa: E402
     JobKind,
+    conflict_key,
     conflict_record,
     error_of,
     error_record,
     error_record_for,
     is_error_record,
+    manifest_key,
     param_of,
     parse_job,
     result_key,
@@ -296,12 +298,18 @@ def test_param_comes_from_the_field_the_message_names(message: str, param: str |
 def test_result_key_layout() -> None:
     assert result_key("pre/fix/", "night", "doc-1") == "pre/fix/night/doc-1.json"
     assert result_key("", None, "doc-1") == "default/doc-1.json"
+    assert manifest_key("pre", "night") == "pre/night/_manifest.json"
+    assert (conflict_key("pre", "night", "a/b", "f" * 64)
+            == "pre/night/_conflicts/a%2Fb-ffffffffffff.json")
+    # no custom_id can land on qworker's own names
+    assert result_key("pre", "night", "_manifest") != manifest_key("pre", "night")
 
 
 @pytest.mark.parametrize(
     ("custom_id", "segment"),
     [("a/b", "a%2Fb"), ("..", "%2E%2E"), (".", "%2E"), ("é", "%C3%A9"), ("a b", "a%20b"),
-     ("100%", "100%25"), ("sha256-x", "%73ha256-x")],
+     ("100%", "100%25"), ("sha256-x", "%73ha256-x"), ("_manifest", "%5Fmanifest"),
+     ("a_b", "a_b")],
 )
 def test_unsafe_characters_are_percent_encoded(custom_id: str, segment: str) -> None:
     assert safe_segment(custom_id) == segment
@@ -329,4 +337,5 @@ def test_custom_ids_map_to_safe_distinct_keys(ids: list[str], batch_id: str | No
         assert len(parts) == 3 and parts[0] == "p"
         assert all(part not in ("", ".", "..") for part in parts)
         assert re.fullmatch(r"[A-Za-z0-9._%-]+", parts[1] + parts[2])
+        assert not parts[1].startswith("_") and not parts[2].startswith("_")
         assert len(parts[2].encode()) <= 205

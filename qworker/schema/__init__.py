@@ -17,7 +17,17 @@ from qworker.schema.jobs import (
     ParsedJob,
     parse_job,
 )
-from qworker.schema.keys import DEFAULT_BATCH, MAX_SAFE_BYTES, result_key, safe_segment
+from qworker.schema.keys import (
+    CONFLICTS_DIR,
+    DEFAULT_BATCH,
+    MANIFEST_NAME,
+    MAX_SAFE_BYTES,
+    batch_folder,
+    conflict_key,
+    manifest_key,
+    result_key,
+    safe_segment,
+)
 from qworker.schema.records import (
     conflict_record,
     dumps,
@@ -34,19 +44,24 @@ from qworker.schema.records import (
 __all__ = [
     "CHAT_URL",
     "COMPLETIONS_URL",
+    "CONFLICTS_DIR",
     "DEFAULT_BATCH",
+    "MANIFEST_NAME",
     "MAX_METADATA_DEPTH",
     "MAX_N",
     "MAX_SAFE_BYTES",
     "Job",
     "JobKind",
     "ParsedJob",
+    "batch_folder",
+    "conflict_key",
     "conflict_record",
     "dumps",
     "error_of",
     "error_record",
     "error_record_for",
     "is_error_record",
+    "manifest_key",
     "new_id",
     "new_request_id",
     "param_of",
