@@ -119,6 +119,9 @@ class WorkerSettings(EngineSettings):  # type: ignore[misc, valid-type]
     kafka_ssl_cafile: str | None = Field(
         None, description="PEM CA bundle to verify the brokers (default: the system's)"
     )
+    kafka_compression: Literal["gzip", "snappy", "lz4", "zstd"] | None = Field(
+        None, description="codec of the jobs `qworker produce` sends (every codec is read)"
+    )
 
 
     @field_validator("source")

@@ -165,13 +165,13 @@ def test_produce_then_run_then_collect_over_files(tmp_path: Path) -> None:
     assert error_of(errors[0])["code"] == "invalid_request"
 
 
-def test_bad_settings_exit_2_with_a_clear_message(capsys) -> None:
-    assert main(["run", "--source", "ftp://x/y"]) == 2
+def test_bad_settings_exit_1_with_a_clear_message(capsys) -> None:
+    assert main(["run", "--source", "ftp://x/y"]) == 1
     err = capsys.readouterr().err
     assert "source (--source / QWORKER_SOURCE): source 'ftp://x/y' must be kafka://" in err
 
 
-def test_missing_source_file_exits_2(tmp_path: Path, capsys) -> None:
+def test_missing_source_file_exits_1(tmp_path: Path, capsys) -> None:
     code = main(
         [
             "run",
@@ -187,7 +187,7 @@ def test_missing_source_file_exits_2(tmp_path: Path, capsys) -> None:
             "",
         ]
     )
-    assert code == 2
+    assert code == 1
     assert "nope.jsonl does not exist" in capsys.readouterr().err
 
 
