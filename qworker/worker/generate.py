@@ -79,15 +79,19 @@ def generate_file(
     out: IO[bytes],
     window: int = 256,
     max_job_bytes: int = 1 << 20,
-    progress: IO[str] | None = sys.stderr,
+    progress: IO[str] | str | None = "stderr",
     skip_ids: set[str] | None = None,
     skip_lines: set[int] | None = None,
 ) -> GenerateStats:
     """Run every job of ``input_path`` through ``engine``; write records to ``out``.
 
+    ``progress``: where the bar and the summary go (default stderr, None: silent).
     Lines whose custom_id is in ``skip_ids`` (or whose number is in ``skip_lines``) are
     not run again; ``stats.skipped`` counts them.
     """
+    if progress == "stderr":  # looked up now: sys.stderr may have been replaced
+        progress = sys.stderr
+    assert progress is None or not isinstance(progress, str)
     skip_ids, skip_lines = skip_ids or set(), skip_lines or set()
     total = count_lines(input_path)
     stats = GenerateStats()
