@@ -27,6 +27,7 @@ from qworker.schema import (
     Job,
     JobKind,
     dumps,
+    error_of,
     error_record_for,
     parse_job,
     result_key,
@@ -459,8 +460,9 @@ class Worker:
         metadata: dict | None,
     ) -> None:
         record = error_record_for(custom_id, batch_id, exc, metadata)
-        code = record["error"]["code"]
-        log.warning("%s: %s", code, record["error"]["message"], extra=_ids(custom_id, msg))
+        error = error_of(record) or {}
+        code = error.get("code") or "engine_error"
+        log.warning("%s: %s", code, error.get("message"), extra=_ids(custom_id, msg))
         self._spawn(self._store(msg, custom_id, batch_id, record, code))
 
     async def _store(
