@@ -29,7 +29,7 @@ from typing import Any
 from qworker.config import WorkerSettings
 from qworker.engine.outputs import RequestOutput
 from qworker.errors import BatchExpiredError
-from qworker.schema import error_record_for, result_key
+from qworker.schema import error_of, error_record_for, result_key
 from qworker.worker.admission import Admission
 from qworker.worker.drain import DrainControl, DrainReason
 from qworker.worker.engine_thread import EngineLike, EngineThread
@@ -79,16 +79,9 @@ def _ids(custom_id: str | None, msg: Message) -> dict[str, Any]:
 
 
 def _status(record: dict[str, Any]) -> str:
-    """``success`` or the error code of a result line (any of its shapes)."""
-    error = record.get("error")
-    if isinstance(error, dict):
-        return str(error.get("code") or "error")
-    response = record.get("response") or {}
-    if response.get("status_code") == 200:
-        return "success"
-    body = response.get("body") or {}
-    inner = body.get("error") if isinstance(body, dict) else None
-    return str((inner or {}).get("code") or "error")
+    """``success`` or the error code of a result line."""
+    error = error_of(record)
+    return "success" if error is None else str(error.get("code") or "engine_error")
 
 
 class Worker:

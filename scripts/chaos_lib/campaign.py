@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .checker import CheckResult, check_results, list_keys
+from .checker import CheckResult, check_results, error_code, list_keys
 from .fleet import Fate, Fleet
 from .jobs import JobSet, make_jobs
 from .proxy import ChaosProxy
@@ -423,7 +423,7 @@ class Campaign:
                 cid = rec.get("custom_id")
                 if cid in got:
                     bad += 1
-                got[cid] = "ok" if rec.get("error") is None else "error"
+                got[cid] = "ok" if error_code(rec) is None else "error"
                 if got[cid] != kind:
                     bad += 1
         for cid, want in self.jobs.expected.items():

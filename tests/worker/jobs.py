@@ -37,6 +37,8 @@ def read_results(root: Path) -> dict[str, dict[str, Any]]:
     """custom_id -> record for every result file under a file:// sink directory."""
     out: dict[str, dict[str, Any]] = {}
     for path in sorted(root.rglob("*.json")):
+        if any(part.startswith("_") for part in path.relative_to(root).parts):
+            continue  # qworker's own objects: fingerprints, conflicts, the manifest
         record = json.loads(path.read_text())
         assert record["custom_id"] not in out, f"two results for {record['custom_id']}"
         out[record["custom_id"]] = record
@@ -55,14 +57,3 @@ def acked_lines(progress: Path) -> set[int]:
             done.add(int(line))
     return done
 
-
-def record_error(record: dict[str, Any]) -> dict[str, Any] | None:
-    """``{"code", "message"}`` of a failed result line (either error shape); None for a success."""
-    error = record.get("error")
-    if isinstance(error, dict):
-        return error
-    response = record.get("response") or {}
-    if response.get("status_code") == 200:
-        return None
-    body = response.get("body") or {}
-    return body.get("error") if isinstance(body, dict) else {}

@@ -23,7 +23,7 @@ import pytest
 pytest.importorskip("aiokafka")
 pytest.importorskip("boto3")
 
-from qworker.schema import result_key
+from qworker.schema import error_of, result_key
 from tests.fixtures.servers import QueueInfo, boto_client, running
 
 BATCH = "e2e"
@@ -136,8 +136,8 @@ def _assert_one_valid_result_per_job(
         assert record["custom_id"] == cid
         assert record["batch_id"] == BATCH
         if cid in errors:
-            assert record["response"] is None
-            assert record["error"]["code"] == errors[cid], record["error"]
+            assert error_of(record) is not None, record
+            assert error_of(record)["code"] == errors[cid], record
         else:
             assert record["error"] is None, record["error"]
             assert record["response"]["status_code"] == 200

@@ -21,13 +21,13 @@ pytest.importorskip("pydantic_settings")
 
 from qworker.config import WorkerSettings
 from qworker.engine.outputs import RequestOutput
+from qworker.schema import error_of
 from qworker.worker.echo_engine import EchoEngine
 from qworker.worker.metrics import WorkerMetrics
 from qworker.worker.sinks.file import FileSink
 from qworker.worker.sources.file import FileSource
 from qworker.worker.worker import Worker
 from tests.worker.jobs import acked_lines, chat_job, read_results, write_spool
-from tests.worker.jobs import record_error as error_of
 
 
 def _run(tmp_path: Path, lines: list[Any], engine: EchoEngine,

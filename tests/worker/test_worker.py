@@ -16,6 +16,7 @@ pytest.importorskip("pydantic_settings")
 
 from qworker.config import WorkerSettings
 from qworker.engine.outputs import RequestOutput
+from qworker.schema import error_of
 from qworker.worker.drain import DrainControl, DrainReason
 from qworker.worker.echo_engine import EchoEngine
 from qworker.worker.metrics import WorkerMetrics
@@ -99,7 +100,7 @@ def test_invalid_jobs_get_error_records_and_the_worker_keeps_going(tmp_path: Pat
     ]
     worker = _run(tmp_path, lines, engine=EchoEngine(max_model_len=64))
     results = read_results(tmp_path / "out")
-    codes = {cid: (r["error"] or {}).get("code") for cid, r in results.items()}
+    codes = {cid: (error_of(r) or {}).get("code") for cid, r in results.items()}
     assert codes == {
         "ok1": None,
         "ok2": None,
@@ -109,7 +110,7 @@ def test_invalid_jobs_get_error_records_and_the_worker_keeps_going(tmp_path: Pat
         "too-long": "context_length_exceeded",
         "expired": "batch_expired",
     }
-    assert results["too-long"]["error"]["message"] == "prompt is 100 tokens; max_model_len is 64"
+    assert error_of(results["too-long"])["message"] == "prompt is 100 tokens; max_model_len is 64"
     dlq = [json.loads(x) for x in (tmp_path / "jobs.jsonl.dlq").read_text().splitlines()]
     assert [d["message_id"] for d in dlq] == ["file:2", "file:3", "file:4"]
     assert dlq[2]["reason"] == "job must be a JSON object, got an array"
@@ -122,7 +123,7 @@ def test_deadline_passing_inside_the_engine_gives_batch_expired(tmp_path: Path) 
     lines = [chat_job("late") | {"deadline": time.time() + 0.5}]
     _run(tmp_path, lines, engine=slow)
     record = read_results(tmp_path / "out")["late"]
-    assert record["error"]["code"] == "batch_expired"
+    assert error_of(record)["code"] == "batch_expired"
 
 
 def test_existing_result_counts_as_duplicate_and_is_not_overwritten(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ import pytest
 pytest.importorskip("orjson")
 pytest.importorskip("pydantic_settings")
 
+from qworker.schema import error_of
 from tests.worker.jobs import acked_lines, chat_job, completion_job, read_results, write_spool
 
 N_JOBS = 24
@@ -126,7 +127,7 @@ def test_run_with_a_tiny_model_writes_chat_completions(
     assert len(results["t2"]["response"]["body"]["choices"]) == 2
     lp = results["t3"]["response"]["body"]["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == 3 and len(lp["top_logprobs"][0]) == 2
-    assert results["t4"]["error"]["code"] == "context_length_exceeded"
+    assert error_of(results["t4"])["code"] == "context_length_exceeded"
 
 
 def test_sigterm_drains_commits_only_finished_work_and_a_rerun_completes(tmp_path: Path) -> None:

@@ -3,8 +3,9 @@
 Each put writes a temporary file and hard-links it into place: the link fails if
 the name exists, so the first result wins atomically (the local ``IfNoneMatch``),
 and a reader never sees a half-written record. The request's fingerprint is stored
-beside the record, in ``<key>.fingerprint``, linked first the same way: whoever wins
-that link is the request the record answers (docs/formats.md, fingerprints).
+beside the record, in ``<batch>/_fingerprints/<name>`` (names starting with ``_`` are
+qworker's own, never a result), linked first the same way: whoever wins that link is
+the request the record answers (docs/formats.md, fingerprints and conflicts).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from qworker.worker.failures import StartupError
 from qworker.worker.sinks.base import PutResult, Sink, SinkError
 from qworker.worker.sources.file import file_path
 
-FINGERPRINT_SUFFIX = ".fingerprint"
+FINGERPRINTS_DIR = "_fingerprints"
 
 
 class FileSink(Sink):
@@ -56,10 +57,12 @@ class FileSink(Sink):
         target = self.root / key
         if ".." in Path(key).parts or Path(key).is_absolute():
             raise ValueError(f"unsafe result key {key!r}")
-        sidecar = target.with_name(target.name + FINGERPRINT_SUFFIX)
+        sidecar = target.parent / FINGERPRINTS_DIR / target.name
         if target.exists():
             return PutResult(False, _read_fingerprint(sidecar))
         target.parent.mkdir(parents=True, exist_ok=True)
+        if fingerprint is not None:
+            sidecar.parent.mkdir(exist_ok=True)
         if fingerprint is not None and not _link_new(sidecar, fingerprint.encode()):
             stored = _read_fingerprint(sidecar)
             if stored != fingerprint:  # another request owns this key (its record may follow)

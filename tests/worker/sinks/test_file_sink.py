@@ -34,7 +34,7 @@ def test_the_stored_fingerprint_comes_back_on_a_second_put(tmp_path: Path) -> No
     assert asyncio.run(main()) == [PutResult(True), PutResult(False, "fp-a"),
                                    PutResult(False, "fp-a")]
     assert (tmp_path / "b" / "k.json").read_bytes() == b"one"
-    assert (tmp_path / "b" / "k.json.fingerprint").read_text() == "fp-a"
+    assert (tmp_path / "b" / "_fingerprints" / "k.json").read_text() == "fp-a"
     assert list(collect(f"file://{tmp_path}", "b", None)) == [b"one"]  # type: ignore[arg-type]
 
 
@@ -43,8 +43,8 @@ def test_a_missing_record_behind_its_own_fingerprint_is_written_by_the_same_requ
 ) -> None:
     # A writer that died between linking the fingerprint and the record: the same request
     # (a redelivery) completes the write, a different one is told whose key it is.
-    (tmp_path / "b").mkdir()
-    (tmp_path / "b" / "k.json.fingerprint").write_text("fp-a")
+    (tmp_path / "b" / "_fingerprints").mkdir(parents=True)
+    (tmp_path / "b" / "_fingerprints" / "k.json").write_text("fp-a")
     sink = FileSink(tmp_path)
     assert sink.put_sync("b/k.json", b"other", "fp-b") == PutResult(False, "fp-a")
     assert sink.put_sync("b/k.json", b"one", "fp-a") == PutResult(True)
