@@ -18,6 +18,7 @@ import orjson
 
 from qworker.engine.sampling_params import SamplingParams
 from qworker.errors import InvalidRequestError, QworkerError
+from qworker.schema.fingerprint import request_fingerprint
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -87,7 +88,8 @@ class ParsedJob:
     """The outcome of ``parse_job``: exactly one of ``job``, ``error``, ``dead_letter``.
 
     ``custom_id`` / ``batch_id`` are set whenever they could be read, so an ``error``
-    can be recorded under the right key.
+    can be recorded under the right key; so is ``fingerprint``, the request's
+    ``request_fingerprint`` (stored with its result).
     """
 
     job: Job | None = None
@@ -95,6 +97,7 @@ class ParsedJob:
     dead_letter: str | None = None
     custom_id: str | None = None
     batch_id: str | None = None
+    fingerprint: str | None = None
 
 
 def parse_job(body: bytes, max_job_bytes: int = 1 << 20) -> ParsedJob:
@@ -116,7 +119,9 @@ def parse_job(body: bytes, max_job_bytes: int = 1 << 20) -> ParsedJob:
         )
     batch_id = data.get("batch_id")
     parsed = ParsedJob(
-        custom_id=custom_id, batch_id=batch_id if isinstance(batch_id, str) else None
+        custom_id=custom_id,
+        batch_id=batch_id if isinstance(batch_id, str) else None,
+        fingerprint=request_fingerprint(data.get("url"), data.get("body")),
     )
     if len(body) > max_job_bytes:
         parsed.error = InvalidRequestError(

@@ -56,7 +56,7 @@ def prepare(engine: EngineLike, body: bytes, max_job_bytes: int,
             now: float | None = None) -> Prepared | Unserved:
     """Parse, validate and tokenize one message (never raises)."""
     parsed = parse_job(body, max_job_bytes)
-    fingerprint = getattr(parsed, "fingerprint", None)
+    fingerprint = parsed.fingerprint
     if parsed.dead_letter is not None:
         return Unserved(parsed.custom_id, parsed.batch_id, dead_letter=parsed.dead_letter,
                         code="dead_letter")

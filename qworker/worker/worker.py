@@ -29,7 +29,13 @@ from typing import Any
 from qworker.config import WorkerSettings
 from qworker.engine.outputs import RequestOutput
 from qworker.errors import BatchExpiredError
-from qworker.schema import error_of, error_record_for, result_key
+from qworker.schema import (
+    conflict_key,
+    conflict_record,
+    error_of,
+    error_record_for,
+    result_key,
+)
 from qworker.worker.admission import Admission
 from qworker.worker.drain import DrainControl, DrainReason
 from qworker.worker.engine_thread import EngineLike, EngineThread
@@ -47,7 +53,7 @@ from qworker.worker.requests import (
     record_for,
     token_decoder,
 )
-from qworker.worker.result_writer import ResultWriter, Stored
+from qworker.worker.result_writer import Conflict, ResultWriter, Stored
 from qworker.worker.sinks.base import Sink
 from qworker.worker.sources.base import Message, Source
 from qworker.worker.spot import SpotPoller
@@ -509,11 +515,25 @@ class Worker:
 
     async def _store(self, msg: Message, custom_id: str, batch_id: str | None,
                      record: dict[str, Any], fingerprint: str | None) -> None:
-        """Write the record, then ack; a record that cannot be stored is never acked."""
+        """Write the record, then ack; a record that cannot be stored is never acked.
+
+        A key that already holds another request's answer (a different fingerprint)
+        gets this job's ``duplicate_custom_id`` record under ``_conflicts/`` instead:
+        the stored answer is kept, and nothing is replaced silently.
+        """
         key = result_key(self.sink_prefix, batch_id, custom_id)
         ids = _ids(custom_id, msg)
         status = _status(record)
-        stored = await self.writer.store(key, record, fingerprint, None, ids)
+
+        def conflict_for(stored_fingerprint: str | None) -> Conflict:
+            assert fingerprint is not None
+            return Conflict(
+                conflict_key(self.sink_prefix, batch_id, custom_id, fingerprint),
+                conflict_record(custom_id, batch_id, fingerprint, stored_fingerprint,
+                                record.get("metadata")),
+            )
+
+        stored = await self.writer.store(key, record, fingerprint, conflict_for, ids)
         if stored is Stored.UNSTORED:
             self.summary.abandoned += 1
             await self.source.abandon(msg)
