@@ -127,7 +127,7 @@ class Worker:
                                     self.metrics.set_problem)
         self.dlq_outage = Outage("dead_letter", settings.source_outage_seconds,
                                  self.metrics.set_problem)
-        self._backoff = Backoff(first=0.2, cap=15.0)
+        self._backoff = Backoff(first=0.2, cap=5.0)  # source, DLQ: retried at least every 5 s
         self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="qworker-prep")
         self._preparing: set[asyncio.Task[Any]] = set()
         self._isolated: set[str] = set()  # request ids of a suspect group under test

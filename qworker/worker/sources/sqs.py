@@ -138,6 +138,7 @@ class SqsSource(Source):
         #: Heartbeat rounds that took longer than a third of the visibility timeout.
         self.slow_heartbeats = 0
         self._closed = False
+        self._closing = False  # close() began: pending deletes get one more try only
 
     async def _call(self, method: str, **kwargs: Any) -> Any:
         return await self._runner.run(self.call_timeout, getattr(self.client, method), **kwargs)
@@ -328,14 +329,29 @@ class SqsSource(Source):
                 batch = [self._deletes.popleft() for _ in range(min(MAX_BATCH, len(self._deletes)))]
                 self._delete_busy = True
                 try:
-                    await self._delete_batch([m for m, _ in batch])
+                    await self._delete_with_retries([m for m, _ in batch])
                 finally:
                     self._delete_busy = False
                     for _, done in batch:
                         if not done.done():
                             done.set_result(None)
 
-    async def _delete_batch(self, msgs: list[Message]) -> None:
+    async def _delete_with_retries(self, msgs: list[Message]) -> None:
+        # A failed call is retried (SQS briefly unreachable): an undeleted message would
+        # come back after its visibility timeout and be served again for nothing. Past
+        # that timeout its receipt is stale anyway; at close, one more try is enough.
+        give_up_at = time.monotonic() + self.visibility_timeout
+        delay = 0.2
+        while not await self._delete_batch(msgs):
+            if self._closing or time.monotonic() + delay > give_up_at:
+                log.warning("sqs delete of %d messages given up: they come back after their "
+                            "visibility timeout and are absorbed as duplicates", len(msgs))
+                return
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 5.0)
+
+    async def _delete_batch(self, msgs: list[Message]) -> bool:
+        """One DeleteMessageBatch call; False when the call itself failed."""
         entries = [
             {"Id": str(n), "ReceiptHandle": m.handle.receipt_handle} for n, m in enumerate(msgs)
         ]
@@ -346,7 +362,7 @@ class SqsSource(Source):
             )
         except Exception as exc:
             log.warning("sqs delete of %d messages failed: %r", len(msgs), exc)
-            return
+            return False
         for failed in resp.get("Failed", []):
             # Expired receipt: another worker owns it now and will hit the sink's 412.
             log.warning(
@@ -354,6 +370,7 @@ class SqsSource(Source):
                 msgs[int(failed["Id"])].message_id,
                 failed.get("Message"),
             )
+        return True
 
     async def abandon(self, msg: Message) -> None:
         """Make ``msg`` visible again (visibility 0): redelivered, never deleted.
@@ -450,6 +467,7 @@ class SqsSource(Source):
         """Stop heartbeats and make every message still in flight visible again; idempotent."""
         if self._closed:
             return
+        self._closing = True
         poll = self._poll
         if poll is not None and not poll.done():
             # On a busy queue the poll returns within milliseconds: wait a moment so its
