@@ -17,6 +17,7 @@ from typing import Any
 from qworker.engine.outputs import RequestOutput
 from qworker.errors import BatchExpiredError, EngineError, QworkerError
 from qworker.schema import Job, JobKind, error_record_for, parse_job, success_record
+from qworker.schema.jobs import logprob_volume_error
 from qworker.worker.engine_thread import EngineLike
 
 
@@ -71,6 +72,12 @@ def prepare(engine: EngineLike, body: bytes, max_job_bytes: int,
         text, token_ids = encode(engine, job)
     except Exception as exc:  # no tokenizer / template, too long: the job's record says so
         return _unserved(job.custom_id, job.batch_id, exc, job.metadata, fingerprint)
+    if job.want_logprobs and job.params.max_tokens is None:
+        # Unbounded output: the cap applies to what the context leaves room for.
+        room = max(1, engine.max_model_len - len(token_ids))
+        too_many = logprob_volume_error(job.params.n, room, job.top_logprobs)
+        if too_many is not None:
+            return _unserved(job.custom_id, job.batch_id, too_many, job.metadata, fingerprint)
     return Prepared(job, text, token_ids, fingerprint)
 
 
