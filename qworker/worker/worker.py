@@ -40,7 +40,7 @@ from qworker.worker.admission import Admission
 from qworker.worker.drain import DrainControl, DrainReason
 from qworker.worker.engine_thread import EngineLike, EngineThread
 from qworker.worker.exit_codes import ExitCode
-from qworker.worker.failures import StartupError
+from qworker.worker.failures import SourceUnavailableError, StartupError
 from qworker.worker.job_table import AbortReason, InFlightJob, JobTable, ReadyJob
 from qworker.worker.metrics import WorkerMetrics
 from qworker.worker.outage import Backoff, Outage
@@ -330,7 +330,7 @@ class Worker:
             msgs = await self.source.receive(max_messages, _RECEIVE_TIMEOUT_S)
         except Exception as exc:
             self._last_activity = time.monotonic()  # an unreachable source is not idle
-            if getattr(exc, "fatal", False):
+            if isinstance(exc, SourceUnavailableError) and exc.fatal:
                 self._fail(ExitCode.UNAVAILABLE, f"source cannot go on: {exc}")
                 return []
             down_for = self.source_outage.failed(exc)
