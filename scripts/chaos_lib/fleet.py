@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import http.client
 import logging
 import os
 import random
@@ -254,7 +255,7 @@ class Fleet:
             url = f"http://127.0.0.1:{inc.metrics_port}/metrics"
             with urllib.request.urlopen(url, timeout=1) as resp:
                 parsed = parse_metrics(resp.read().decode())
-        except OSError:
+        except (OSError, http.client.HTTPException):  # a worker dying mid-answer
             return
         with self._lock:
             inc.metrics = parsed
