@@ -3,6 +3,7 @@
 A received message is in exactly one place until its fate is recorded (ack,
 abandon, dead letter): being prepared or stored (a background *task*), *ready* at the
 admission gate, in a *suspect* group waiting to be retried after a failed engine step,
+*deferred* (it failed alone, but no other job has yet shown that the engine works),
 or *in flight* inside the engine (by request id, with ``by_message`` for revocations).
 ``JobTable`` holds those containers; the worker loop moves jobs between them.
 """
@@ -62,6 +63,7 @@ class JobTable:
     def __init__(self) -> None:
         self.ready: deque[ReadyJob] = deque()
         self.suspects: deque[list[ReadyJob]] = deque()
+        self.deferred: list[ReadyJob] = []
         self.inflight: dict[str, InFlightJob] = {}
         self.by_message: dict[str, str] = {}
         self.tasks: set[asyncio.Task[Any]] = set()
@@ -69,8 +71,8 @@ class JobTable:
     @property
     def busy(self) -> int:
         """Unacked jobs: at the gate, suspected, in the engine, or in a background task."""
-        return (len(self.ready) + sum(len(g) for g in self.suspects) + len(self.inflight)
-                + len(self.tasks))
+        return (len(self.ready) + sum(len(g) for g in self.suspects) + len(self.deferred)
+                + len(self.inflight) + len(self.tasks))
 
     def admit(self, job: ReadyJob, request_id: str, growth: Growth) -> InFlightJob:
         """Record that ``job`` entered the engine as ``request_id``."""
@@ -94,9 +96,11 @@ class JobTable:
         return entries
 
     def take_waiting(self) -> list[ReadyJob]:
-        """Every job at the gate or in a suspect group, removed from the table."""
-        waiting = [job for group in self.suspects for job in group] + list(self.ready)
+        """Every job at the gate, suspected or deferred, removed from the table."""
+        waiting = ([job for group in self.suspects for job in group] + self.deferred
+                   + list(self.ready))
         self.suspects.clear()
+        self.deferred = []
         self.ready.clear()
         return waiting
 
@@ -106,6 +110,7 @@ class JobTable:
         self.ready = deque(j for j in self.ready if j.msg.message_id not in revoked)
         groups = ([j for j in g if j.msg.message_id not in revoked] for g in self.suspects)
         self.suspects = deque(g for g in groups if g)
+        self.deferred = [j for j in self.deferred if j.msg.message_id not in revoked]
         out = []
         for mid in revoked:
             rid = self.by_message.get(mid)

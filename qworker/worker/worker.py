@@ -74,6 +74,7 @@ _PENDING_CHECK_S = 1.0  # --until-idle asks the source for pending work this oft
 _PENDING_TIMEOUT_S = 15.0
 _PENDING_LOG_S = 10.0
 _DRAIN_PENDING_S = 5.0
+_JUDGE_AFTER_S = 1.0  # quiet this long with only deferred jobs: judge them
 #: Failed steps in a row, beyond what bisecting the jobs and retrying the last one
 #: alone explain, before the engine counts as broken (exit 70).
 MAX_STEP_FAILURES = 3
@@ -304,6 +305,9 @@ class Worker:
             if msgs:
                 self._last_activity = time.monotonic()
                 self._start_preparing(msgs)
+            elif (self.table.deferred and self.busy == len(self.table.deferred)
+                  and time.monotonic() - self._last_activity >= _JUDGE_AFTER_S):
+                self._judge_deferred()
             elif (
                 until_idle is not None
                 and self.busy == 0
@@ -322,7 +326,9 @@ class Worker:
             return 0
         assert self._thread is not None
         stats = self.engine.stats()
-        return self.admission.room(stats, self._thread.pending_blocks, self.busy)
+        # Deferred jobs wait for others to run: they must not take those others' places.
+        active = self.busy - len(self.table.deferred)
+        return self.admission.room(stats, self._thread.pending_blocks, active)
 
     async def _receive(self, max_messages: int) -> list[Message]:
         """``source.receive`` riding out an unreachable source for its outage budget."""
@@ -481,6 +487,9 @@ class Worker:
             if entry.abort_reason is None and out.error is None:
                 self._completions += 1  # the engine works: a failure streak is over
                 self._fail_streak = 0
+                if self.table.deferred:  # the proof they waited for: test them again
+                    self.table.suspects.extend([job] for job in self.table.deferred)
+                    self.table.deferred = []
             self._complete(entry, out)
         self._last_activity = time.monotonic()
         self._progress.set()
@@ -643,16 +652,28 @@ class Worker:
             return
         if self._completions == prepared.completions_seen:
             # No other job completed since this one first failed alone: the engine itself
-            # may be broken. Test the others first; if they fail too, that is exit 70.
-            self.table.suspects.append([job])
+            # may be broken. Let other jobs run first (a completion brings it back); if
+            # they fail too, that is exit 70; if there are none, see _judge_deferred.
+            self.table.deferred.append(job)
             return
-        spec = prepared.job
+        self._engine_error(job, attempts, exc)
+
+    def _engine_error(self, job: ReadyJob, attempts: int, exc: BaseException | str) -> None:
+        spec = job.prepared.job
         log.error("job failed the engine alone %d times: engine_error", attempts,
                   extra=_ids(spec.custom_id, job.msg))
         record = engine_error_record(spec, f"the engine failed on this request {attempts} "
                                      f"times when run alone: {exc}")
+        job.prepared.solo_failures = 0
         self.table.spawn(self._store(job.msg, spec.custom_id, spec.batch_id, record,
                                      job.prepared.fingerprint))
+
+    def _judge_deferred(self) -> None:
+        """Nothing else left to run: jobs that failed alone get their engine_error now."""
+        jobs, self.table.deferred = self.table.deferred, []
+        for job in jobs:
+            self._engine_error(job, job.prepared.solo_failures,
+                               "no other job was left to run beside it")
 
     async def _watchdog_loop(self) -> None:
         """Exit 70 when the engine thread died or one step runs past ``engine_step_timeout``."""

@@ -107,6 +107,32 @@ def test_the_job_that_fails_alone_gets_engine_error_and_the_others_are_served(
     assert len(acked_lines(tmp_path / "jobs.jsonl.progress")) == 8
 
 
+def test_a_poison_job_with_nothing_else_to_run_gets_its_engine_error_and_exit_0(
+    tmp_path: Path,
+) -> None:
+    # Regression (the fault campaign): a lone poison job waited for another job to prove
+    # the engine works, none came, and its solo retries ran the worker into exit 70.
+    engine = _Poisoned()
+    worker = _run(tmp_path, [chat_job("alone", "boom")], engine, max_job_attempts=3)
+    error = error_of(read_results(tmp_path / "out")["alone"])
+    assert error is not None and error["code"] == "engine_error"
+    assert worker.exit_code == 0 and engine.failures == 3
+
+
+def test_a_poison_job_waits_for_other_jobs_to_prove_the_engine_then_fails_alone(
+    tmp_path: Path,
+) -> None:
+    # Regression (the fault campaign): with the other jobs still at the gate, a poison job
+    # deferred only among the suspects was retried alone until the worker exited 70.
+    engine = _Poisoned()
+    lines = [chat_job("first", "boom")] + [chat_job(f"ok{i}") for i in range(4)]
+    worker = _run(tmp_path, lines, engine, max_job_attempts=3, max_inflight_jobs=1)
+    results = read_results(tmp_path / "out")
+    assert error_of(results["first"])["code"] == "engine_error"
+    assert all(error_of(results[f"ok{i}"]) is None for i in range(4))
+    assert worker.exit_code == 0
+
+
 def test_an_engine_whose_every_step_fails_exits_70_and_acks_nothing(tmp_path: Path) -> None:
     engine = _Poisoned(always=True)
     worker = _run(tmp_path, [chat_job(f"b{i}") for i in range(6)], engine)
