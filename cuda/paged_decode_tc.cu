@@ -49,6 +49,12 @@
 
 #include "warp_mma.cuh"
 
+#ifndef QW_EMU_MUTATE_WAIT
+// 0 always, except in tests/attention/test_decode_tc.py, which builds the emulator with a
+// wait one group too weak to show that reading a stage still in flight fails the tests.
+#define QW_EMU_MUTATE_WAIT 0
+#endif
+
 namespace qw {
 
 constexpr int kDecodeTile = 16;       // tokens per warp step
@@ -226,11 +232,13 @@ paged_decode_tc(void* __restrict__ out,            // [seqs, q_heads, D], rows o
     lo = hi = 0;
     if (i >= n_my) return;
     const int pos0 = (j0 + warp + i * W) * kDecodeTile;
-    if (pos0 + 8 > p_lo && pos0 < p_hi) lo = bt[pos0 >> block_shift];
+    const bool lo_ok = pos0 + 8 > p_lo && pos0 < p_hi;       // a token of rows 0-7 is in range
+    const bool hi_ok = pos0 + 16 > p_lo && pos0 + 8 < p_hi;  // ... of rows 8-15
     if (block_shift >= 4) {
-      hi = lo;
-    } else if (pos0 + 16 > p_lo && pos0 + 8 < p_hi) {
-      hi = bt[(pos0 + 8) >> block_shift];
+      if (lo_ok || hi_ok) lo = hi = bt[pos0 >> block_shift];
+    } else {
+      if (lo_ok) lo = bt[pos0 >> block_shift];
+      if (hi_ok) hi = bt[(pos0 + 8) >> block_shift];
     }
   };
   auto issue = [&](int i, int blo, int bhi) {
@@ -281,7 +289,7 @@ paged_decode_tc(void* __restrict__ out,            // [seqs, q_heads, D], rows o
     if (i + S - 1 < n_my) issue(i + S - 1, nb_lo, nb_hi);
     cp_async_commit();
     tile_blocks(i + S, nb_lo, nb_hi);
-    cp_async_wait<S - 1>();
+    cp_async_wait<S - 1 + QW_EMU_MUTATE_WAIT>();
     __syncwarp();
 
     const unsigned char* sk = my_ring + (i % S) * L::kStageWarp;
@@ -488,7 +496,7 @@ paged_decode_tc(void* __restrict__ out,            // [seqs, q_heads, D], rows o
     acc *= vscale;
     if (n_parts == 1) {
       static_cast<unsigned short*>(out)[out_row + static_cast<long long>(h0 + h) * HEAD_DIM + d] =
-          float_to_b16<DT>(sum > 0.f ? acc / sum : 0.f);
+          float_to_b16<DT>(sum != 0.f ? acc / sum : 0.f);  // NaN stays NaN
     } else {
       const long long at = static_cast<long long>(h) * gridDim.z + z;
       w_o[at * HEAD_DIM + d] = acc;
@@ -520,7 +528,7 @@ paged_decode_tc(void* __restrict__ out,            // [seqs, q_heads, D], rows o
       s_w[h * kMaxDecodeSplits + k] = wt;
       sum += wt * ld_cg(ml + 2 * k + 1);
     }
-    s_inv[h] = sum > 0.f ? 1.f / sum : 0.f;
+    s_inv[h] = sum != 0.f ? 1.f / sum : 0.f;
   }
   __syncthreads();
   for (int idx = tid; idx < nh * HEAD_DIM; idx += W * 32) {

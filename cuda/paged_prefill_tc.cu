@@ -343,7 +343,7 @@ __global__ void __launch_bounds__(128, HEAD_DIM <= 128 ? 2 : 1) paged_prefill_tc
     if (pr >= n_rows || pr > last_row) continue;
     const int tok = pr / group;
     const int head = kv_head * group + (pr - tok * group);
-    const float inv = l > 0.f ? vscale / l : 0.f;
+    const float inv = l != 0.f ? vscale / l : 0.f;  // NaN stays NaN
     unsigned short* dst = o16 + static_cast<long long>(qs + tok) * out_stride + static_cast<long long>(head) * HEAD_DIM;
 #pragma unroll
     for (int nt = 0; nt < NTILES; ++nt) {

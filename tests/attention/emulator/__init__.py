@@ -34,15 +34,17 @@ def build(
     decode_instances: list[tuple[int, int, int]] = (),  # type: ignore[assignment]
     tc_decode: list[tuple[int, int, int, int]] = (),  # type: ignore[assignment]
     tc_prefill: list[tuple[int, int, int]] = (),  # type: ignore[assignment]
+    defines: list[str] = (),  # type: ignore[assignment]
 ) -> ctypes.CDLL:
     """Compile the emulator with these kernels (cached by content hash in the temp dir) and
     load it: legacy decode ``(dtype code, head dim, head tile)``, tensor-core decode
     ``(dtype code, kv8, head dim, NT)`` and tensor-core prefill ``(dtype code, kv8, head
-    dim)``. The cache ops and the self-test kernels are always in."""
+    dim)``. The cache ops and the self-test kernels are always in. ``defines`` are extra
+    ``-D`` macros (tests build deliberately broken variants with them)."""
     inc = "".join(f"QW_DECODE({dt}, {d}, {gt})\n" for dt, d, gt in decode_instances)
     inc += "".join(f"QW_DECODE_TC({dt}, {k}, {d}, {nt})\n" for dt, k, d, nt in tc_decode)
     inc += "".join(f"QW_PREFILL_TC({dt}, {k}, {d})\n" for dt, k, d in tc_prefill)
-    digest = hashlib.sha256(inc.encode())
+    digest = hashlib.sha256((inc + "|".join(defines)).encode())
     for path in (
         HERE / "cuda_emu.h",
         HERE / "emu_kernels.cpp",
@@ -66,6 +68,7 @@ def build(
             "-fPIC",
             "-pthread",
             "-Wno-unknown-pragmas",
+            *[f"-D{d}" for d in defines],
             "-x",
             "c++",
             str(HERE / "emu_kernels.cpp"),
