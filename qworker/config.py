@@ -7,38 +7,56 @@ fails at start with a message naming the setting.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, create_model, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from qworker.engine.config import EngineConfig
+from qworker.engine.config import EngineConfig, Knob, check_knob, engine_knobs
 
 SMOLLM2_ALIAS = "smollm2"
+SMOLLM2_SERVED_NAME = "SmolLM2-135M-Instruct"
 ECHO_PREFIX = "echo://"
-#: The ``WorkerSettings`` fields that ``engine_config()`` passes to ``EngineConfig``.
-ENGINE_FIELDS = (
-    "dtype",
-    "device",
-    "block_size",
-    "num_kv_blocks",
-    "kv_cache_memory",
-    "gpu_memory_utilization",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "max_model_len",
-    "enable_prefix_caching",
-    "preemption_mode",
-    "swap_space",
-    "attention_backend",
-    "seed",
+
+
+def _engine_field(name: str, f: dataclasses.Field[Any], spec: Knob) -> tuple[Any, Any]:
+    """The pydantic (annotation, Field) of one engine knob, from its single declaration."""
+    hints = typing.get_type_hints(EngineConfig)
+    annotation: Any = hints[name]
+    if spec.choices is not None and all(isinstance(c, str) for c in spec.choices):
+        annotation = Literal[spec.choices]  # type: ignore[valid-type]
+    elif spec.unit == "bytes":
+        annotation = annotation | str  # "4GiB" etc., normalised to int by check_knob
+    unit = f" [{spec.unit}]" if spec.unit else ""
+    return annotation, Field(f.default, description=spec.help + unit)
+
+
+def _check_engine_knob(cls: type, value: Any, info: ValidationInfo) -> Any:
+    return check_knob(info.field_name or "", value)
+
+
+_KNOBS = engine_knobs()
+#: The ``WorkerSettings`` fields that ``engine_config()`` passes to ``EngineConfig``: every
+#: engine knob except ``tokenizer`` (the worker always uses the model's own).
+ENGINE_FIELDS = tuple(name for name in _KNOBS if name != "tokenizer")
+
+#: Engine knobs as settings fields, generated from ``EngineConfig`` (declared once there).
+EngineSettings = create_model(  # type: ignore[call-overload]
+    "EngineSettings",
+    __base__=BaseSettings,
+    __validators__={
+        "_check_engine_knobs": field_validator(*ENGINE_FIELDS)(_check_engine_knob),
+    },
+    **{name: _engine_field(name, *_KNOBS[name]) for name in ENGINE_FIELDS},
 )
 
 
-class WorkerSettings(BaseSettings):
+class WorkerSettings(EngineSettings):  # type: ignore[misc, valid-type]
     """Every knob of ``qworker run``; env ``QWORKER_<NAME>``, flag ``--name-with-dashes``.
 
     Engine fields mirror ``EngineConfig`` and become one through ``engine_config()``.
@@ -80,20 +98,6 @@ class WorkerSettings(BaseSettings):
     kafka_session_timeout_ms: int = Field(10000, description="Kafka consumer session timeout")
     kafka_dlq_topic: str | None = Field(None, description="dead-letter topic (default <topic>.dlq)")
 
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="dtype")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="device")
-    block_size: int = Field(16, description="tokens per KV block: 8, 16 or 32")
-    num_kv_blocks: int | None = Field(None, description="exact KV pool size in blocks")
-    kv_cache_memory: int | None = Field(None, description="bytes for the KV pool")
-    gpu_memory_utilization: float = Field(0.90, description="GPU memory share for the engine")
-    max_num_seqs: int = Field(256, description="most sequences in one step")
-    max_num_batched_tokens: int = Field(8192, description="token budget of one step")
-    max_model_len: int | None = Field(None, description="context length (default: the model's)")
-    enable_prefix_caching: bool = Field(True, description="share KV blocks of common prefixes")
-    preemption_mode: Literal["recompute", "swap"] = Field("recompute", description="preemption")
-    swap_space: int = Field(4 << 30, description="host bytes for swapped blocks")
-    attention_backend: Literal["auto", "torch", "cuda"] = Field("auto", description="attention")
-    seed: int = Field(0, description="engine seed")
 
     @field_validator("source")
     @classmethod
@@ -126,13 +130,6 @@ class WorkerSettings(BaseSettings):
             raise ValueError(f"log_level {value!r} must be DEBUG, INFO, WARNING, ERROR or CRITICAL")
         return upper
 
-    @field_validator("block_size")
-    @classmethod
-    def _check_block_size(cls, value: int) -> int:
-        if value not in (8, 16, 32):
-            raise ValueError(f"block_size must be 8, 16 or 32, got {value}")
-        return value
-
     @field_validator("metrics_port")
     @classmethod
     def _check_port(cls, value: int) -> int:
@@ -158,20 +155,10 @@ class WorkerSettings(BaseSettings):
         "max_inflight_jobs",
         "sqs_visibility_timeout",
         "kafka_session_timeout_ms",
-        "max_num_seqs",
-        "max_num_batched_tokens",
-        "swap_space",
     )
     @classmethod
     def _check_positive(cls, value: int) -> int:
         if value < 1:
-            raise ValueError(f"must be >= 1, got {value}")
-        return value
-
-    @field_validator("num_kv_blocks", "kv_cache_memory", "max_model_len")
-    @classmethod
-    def _check_positive_or_none(cls, value: int | None) -> int | None:
-        if value is not None and value < 1:
             raise ValueError(f"must be >= 1, got {value}")
         return value
 
@@ -180,13 +167,6 @@ class WorkerSettings(BaseSettings):
     def _check_buffer(cls, value: int | None) -> int | None:
         if value is not None and value < 0:
             raise ValueError(f"must be >= 0, got {value}")
-        return value
-
-    @field_validator("gpu_memory_utilization")
-    @classmethod
-    def _check_share(cls, value: float) -> float:
-        if not 0.0 < value <= 1.0:
-            raise ValueError(f"must be in (0, 1], got {value}")
         return value
 
     @model_validator(mode="after")
@@ -216,6 +196,8 @@ class WorkerSettings(BaseSettings):
     def engine_config(self) -> EngineConfig:
         """The ``EngineConfig`` these settings describe (model alias resolved)."""
         fields: dict[str, Any] = {name: getattr(self, name) for name in ENGINE_FIELDS}
+        if self.model == SMOLLM2_ALIAS and fields["served_model_name"] is None:
+            fields["served_model_name"] = SMOLLM2_SERVED_NAME
         return EngineConfig(model=self.resolved_model(), **fields)
 
 

@@ -67,7 +67,9 @@ def test_aws_endpoint_variables_are_honoured(monkeypatch: pytest.MonkeyPatch) ->
         ("metrics_port", 70000, "metrics_port must be in 0..65535"),
         ("drain_seconds", -1, "must be >= 0"),
         ("sink_outage_seconds", -5, "must be >= 0"),
-        ("max_num_seqs", 0, "must be >= 1"),
+        ("max_num_seqs", 0, "max_num_seqs must be an integer >= 1"),
+        ("kv_cache_memory", "lots", "expected a byte size"),
+        ("kv_cache_dtype", "int4", "Input should be 'auto' or 'fp8_e4m3'"),
         ("gpu_memory_utilization", 1.5, "must be in (0, 1]"),
         ("log_format", "xml", "Input should be 'text' or 'json'"),
         ("log_level", "LOUD", "log_level 'LOUD' must be DEBUG"),
@@ -103,3 +105,27 @@ def test_sink_outage_seconds_defaults_to_five_minutes_and_reads_the_environment(
     assert WorkerSettings().sink_outage_seconds == 300
     monkeypatch.setenv("QWORKER_SINK_OUTAGE_SECONDS", "42.5")
     assert WorkerSettings().sink_outage_seconds == 42.5
+
+
+def test_engine_settings_are_generated_from_the_engine_config() -> None:
+    from qworker.config import ENGINE_FIELDS
+    from qworker.engine.config import engine_knobs
+
+    knobs = engine_knobs()
+    assert set(ENGINE_FIELDS) == set(knobs) - {"tokenizer"}
+    for name in ENGINE_FIELDS:
+        info = WorkerSettings.model_fields[name]
+        assert info.default == knobs[name][0].default, name
+        assert knobs[name][1].help in (info.description or ""), name
+
+
+def test_memory_settings_accept_units(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QWORKER_KV_CACHE_MEMORY", "4GiB")
+    s = WorkerSettings(swap_space="512MiB")
+    assert (s.kv_cache_memory, s.swap_space) == (4 << 30, 512 << 20)
+    assert s.engine_config().kv_cache_memory == 4 << 30
+
+
+def test_bundled_model_is_served_under_its_own_name() -> None:
+    assert WorkerSettings(model="/models/x").engine_config().served_model_name is None
+    assert WorkerSettings(served_model_name="mine").engine_config().served_model_name == "mine"

@@ -8,6 +8,7 @@ snapshot taken at the end of the last step plus what sits in the inbox.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -15,26 +16,27 @@ from typing import Any
 
 import torch
 
-from qworker.engine.config import EngineConfig
+from qworker.engine.config import EngineConfig, served_model_name
 from qworker.engine.detokenizer import start_offsets
 from qworker.engine.engine_setup import EngineParts, build_engine_parts
 from qworker.engine.model_runner import StepInput
 from qworker.engine.outputs import RequestMetrics, RequestOutput
 from qworker.engine.sampling_params import SamplingParams
 from qworker.engine.sequence import Request, Sequence, SequenceStatus
+from qworker.engine.stats import EngineStats
 from qworker.errors import ContextLengthExceededError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
 
 class Engine:
-    """A continuously batched, paged-KV generator (see ENGINE_API.md for the contract)."""
+    """A continuously batched, paged-KV generator (the Python API of README.md)."""
 
     def __init__(self, config: EngineConfig) -> None:
         parts: EngineParts = build_engine_parts(config)
         self.config = config
         self.tokenizer = parts.tokenizer
-        self.model_name = config.model
+        self.model_name = served_model_name(config)
         self.max_model_len = parts.max_model_len
         self.spec = parts.spec
         self.runner = parts.runner
@@ -51,7 +53,7 @@ class Engine:
         self._next_seq_id = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
-        self._snapshot: dict[str, Any] = {}
+        self._snapshot = EngineStats()
         self._take_snapshot()
 
     # ---- thread-safe surface -------------------------------------------------------
@@ -153,15 +155,16 @@ class Engine:
             raise InvalidRequestError(f"messages do not fit the chat template: {exc}") from exc
         return list(tok.encode(text, add_special_tokens=False))
 
-    def stats(self) -> dict[str, Any]:
-        """Snapshot of pool and counter figures (keys in ENGINE_API.md), any thread."""
+    def stats(self) -> EngineStats:
+        """Snapshot of pool and counter figures at the last step, plus the inbox (any thread)."""
         with self._lock:
-            snap = dict(self._snapshot)
-            snap["num_requests_waiting"] += len(self._inbox)
-            snap["waiting_prompt_blocks"] += sum(
-                self.kv.blocks_for(len(r.prompt_token_ids)) for r in self._inbox
+            return dataclasses.replace(
+                self._snapshot,
+                num_requests_waiting=self._snapshot.num_requests_waiting + len(self._inbox),
+                waiting_prompt_blocks=self._snapshot.waiting_prompt_blocks + sum(
+                    self.kv.blocks_for(len(r.prompt_token_ids)) for r in self._inbox
+                ),
             )
-        return snap
 
     # ---- engine thread -------------------------------------------------------------
 
@@ -280,24 +283,25 @@ class Engine:
         sched = self.scheduler
         running_requests = {s.request.request_id for s in sched.running}
         waiting_requests = {s.request.request_id for s in sched.waiting}
-        self._snapshot = {
-            "num_kv_blocks": pool.num_blocks,
-            "block_size": self.kv.block_size,
-            "kv_blocks_used": pool.num_used_blocks,
-            "kv_cache_usage_perc": pool.usage,
-            "num_free_blocks": pool.num_free_blocks,
-            "prefix_cache_queries": pool.prefix_cache_queries,
-            "prefix_cache_hits": pool.prefix_cache_hits,
-            "num_preemptions": sched.num_preemptions,
-            "num_swap_outs": sched.num_swap_outs,
-            "prompt_tokens": self.prompt_tokens,
-            "generation_tokens": self.generation_tokens,
-            "num_requests_running": len(running_requests),
-            "num_requests_waiting": len(waiting_requests - running_requests),
-            "num_requests_swapped": len({s.request.request_id for s in sched.swapped}),
-            "waiting_prompt_blocks": sched.waiting_prompt_blocks(),
-            "max_model_len": self.max_model_len,
-            "max_num_seqs": sched.max_num_seqs,
-            "max_concurrent_full_length_seqs": self.max_concurrent_full_length_seqs,
-            "attention_backend": self.runner.backend.name,
-        }
+        self._snapshot = EngineStats(
+            num_kv_blocks=pool.num_blocks,
+            block_size=self.kv.block_size,
+            kv_blocks_used=pool.num_used_blocks,
+            kv_cache_usage_perc=pool.usage,
+            num_free_blocks=pool.num_free_blocks,
+            prefix_cache_queries=pool.prefix_cache_queries,
+            prefix_cache_hits=pool.prefix_cache_hits,
+            num_preemptions=sched.num_preemptions,
+            num_swap_outs=sched.num_swap_outs,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+            num_requests_running=len(running_requests),
+            num_requests_waiting=len(waiting_requests - running_requests),
+            num_requests_swapped=len({s.request.request_id for s in sched.swapped}),
+            waiting_prompt_blocks=sched.waiting_prompt_blocks(),
+            max_model_len=self.max_model_len,
+            max_num_seqs=sched.max_num_seqs,
+            max_concurrent_full_length_seqs=self.max_concurrent_full_length_seqs,
+            attention_backend=self.runner.backend.name,
+            kv_cache_dtype=self.config.kv_cache_dtype,
+        )

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from qworker.engine.config import EngineConfig
+from qworker.engine.config import EngineConfig, check_config
 from qworker.engine.kv_cache_manager import KVCacheManager
 from qworker.engine.model_runner import DEFAULT_CPU_KV_MEMORY, ModelRunner, select_backend
 from qworker.engine.output_processor import OutputProcessor
@@ -64,35 +64,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-def check_config(config: EngineConfig) -> None:
-    """Reject engine settings that cannot work, naming the field."""
-    if config.block_size not in (8, 16, 32):
-        raise ValueError(f"block_size must be 8, 16 or 32, got {config.block_size}")
-    if config.max_num_seqs < 1:
-        raise ValueError(f"max_num_seqs must be >= 1, got {config.max_num_seqs}")
-    if config.max_num_batched_tokens < 1:
-        raise ValueError(
-            f"max_num_batched_tokens must be >= 1, got {config.max_num_batched_tokens}"
-        )
-    if config.preemption_mode not in ("recompute", "swap"):
-        raise ValueError(
-            f"preemption_mode must be 'recompute' or 'swap', got {config.preemption_mode!r}"
-        )
-    if not 0.0 < config.gpu_memory_utilization <= 1.0:
-        raise ValueError(
-            f"gpu_memory_utilization must be in (0, 1], got {config.gpu_memory_utilization}"
-        )
-    if config.num_kv_blocks is not None and config.num_kv_blocks < 1:
-        raise ValueError(f"num_kv_blocks must be >= 1, got {config.num_kv_blocks}")
-    if config.max_model_len is not None and config.max_model_len < 2:
-        raise ValueError(f"max_model_len must be >= 2, got {config.max_model_len}")
-
-
 def build_engine_parts(config: EngineConfig) -> EngineParts:
     """Load the model and tokenizer, size the pool, and wire the engine's parts."""
     from qworker.models.loader import load_model, load_tokenizer
 
     check_config(config)
+    if config.kv_cache_dtype != "auto":
+        raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} is not available in this "
+                         "build yet; use 'auto'")
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     if config.seed is not None:

@@ -11,6 +11,7 @@ from qworker.engine.config import EngineConfig
 from qworker.engine.engine import Engine
 from qworker.engine.outputs import RequestOutput
 from qworker.engine.sampling_params import SamplingParams
+from qworker.engine.stats import EngineStats
 from qworker.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -79,8 +80,8 @@ class LLM:
         return beam_search(self, prompts, beam_width=beam_width, max_tokens=max_tokens,
                            length_penalty=length_penalty, ignore_eos=ignore_eos)
 
-    def stats(self) -> dict[str, Any]:
-        """The engine's counters and pool figures (see ENGINE_API.md)."""
+    def stats(self) -> EngineStats:
+        """The engine's counters and pool figures (``EngineStats``; ``stats["key"]`` works)."""
         return self.engine.stats()
 
     def _run(self, validated: list[tuple[str | None, list[int]]], params: list[SamplingParams],

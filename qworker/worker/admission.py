@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from qworker.engine.stats import EngineStats
+
 # Projected peak allowed relative to the pool: above 1 trades a few preemptions for a
 # fuller pool (the projection assumes every job runs to max_tokens).
 OVERCOMMIT = 1.0
@@ -67,19 +69,18 @@ class Admission:
         """Account for a job that left the engine."""
         self.final_sum -= job.final_blocks(block_size)
 
-    def buffer_for(self, stats: dict) -> int:
+    def buffer_for(self, stats: EngineStats) -> int:
         """The reserve in blocks for this pool."""
         if self.buffer_blocks is not None:
             return self.buffer_blocks
-        return max(2, int(stats.get("num_kv_blocks", 0)) // 50)
+        return max(2, stats.num_kv_blocks // 50)
 
-    def free_budget(self, stats: dict, pending_blocks: int) -> int:
+    def free_budget(self, stats: EngineStats, pending_blocks: int) -> int:
         """Blocks admission may still hand out: free - waiting - pending - buffer."""
-        free = int(stats.get("num_free_blocks", 0))
-        waiting = int(stats.get("waiting_prompt_blocks", 0))
-        return free - waiting - pending_blocks - self.buffer_for(stats)
+        return (stats.num_free_blocks - stats.waiting_prompt_blocks - pending_blocks
+                - self.buffer_for(stats))
 
-    def room(self, stats: dict, pending_blocks: int, inflight: int) -> int:
+    def room(self, stats: EngineStats, pending_blocks: int, inflight: int) -> int:
         """How many messages to ask the source for now (0 = none).
 
         Uses a running average of prompt sizes to turn the block budget into a count,
@@ -123,7 +124,7 @@ class Admission:
 
     def fits(
         self,
-        stats: dict,
+        stats: EngineStats,
         pending_blocks: int,
         prompt_blocks: int,
         admitted: list[Growth],
@@ -139,7 +140,7 @@ class Admission:
             return True
         if self.free_budget(stats, pending_blocks) < prompt_blocks:
             return False
-        limit = int(OVERCOMMIT * int(stats.get("num_kv_blocks", 0))) - self.buffer_for(stats)
+        limit = int(OVERCOMMIT * stats.num_kv_blocks) - self.buffer_for(stats)
         if self.final_sum + candidate.final_blocks(block_size) <= limit:
             return True  # even all at their largest at once would fit
         return self.peak_blocks([*admitted, candidate], step, block_size) <= limit

@@ -58,8 +58,8 @@ async def serve(settings: WorkerSettings) -> tuple[int, RunSummary]:
         log.info(
             "engine ready: model %s, %d KV blocks of %d tokens, max_model_len %d",
             engine.model_name,
-            stats.get("num_kv_blocks", 0),
-            stats.get("block_size", 0),
+            stats.num_kv_blocks,
+            stats.block_size,
             engine.max_model_len,
         )
         worker = Worker(settings, engine, source, sink, sink_prefix(settings.sink), metrics, drain)

@@ -17,6 +17,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from qworker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from qworker.engine.sampling_params import SamplingParams
+from qworker.engine.stats import EngineStats
 from qworker.errors import ContextLengthExceededError, InvalidRequestError
 
 BLOCK_SIZE = 16
@@ -162,29 +163,27 @@ class EchoEngine:
         ]
         return RequestOutput(req.request_id, req.prompt, req.token_ids, outputs, True, req.metrics)
 
-    def stats(self) -> dict:
-        """The engine's stats keys, from an imaginary pool of 16-token blocks."""
+    def stats(self) -> EngineStats:
+        """The engine's figures, from an imaginary pool of 16-token blocks."""
         with self._lock:
             waiting = sum(math.ceil(len(r.token_ids) / BLOCK_SIZE) for r in self._inbox)
             used = sum(math.ceil(len(r.token_ids) / BLOCK_SIZE) for r in self._running.values())
             n_wait, n_run = len(self._inbox), len(self._running)
             prompt_tokens, gen_tokens = self._prompt_tokens, self._generation_tokens
-        return {
-            "num_kv_blocks": self.num_kv_blocks,
-            "block_size": BLOCK_SIZE,
-            "kv_blocks_used": used,
-            "kv_cache_usage_perc": used / self.num_kv_blocks,
-            "num_free_blocks": self.num_kv_blocks - used,
-            "prefix_cache_queries": 0,
-            "prefix_cache_hits": 0,
-            "num_preemptions": 0,
-            "prompt_tokens": prompt_tokens,
-            "generation_tokens": gen_tokens,
-            "num_requests_running": n_run,
-            "num_requests_waiting": n_wait,
-            "waiting_prompt_blocks": waiting,
-            "max_model_len": self.max_model_len,
-            "max_num_seqs": 1 << 30,
-            "max_concurrent_full_length_seqs": self.num_kv_blocks
+        return EngineStats(
+            num_kv_blocks=self.num_kv_blocks,
+            block_size=BLOCK_SIZE,
+            kv_blocks_used=used,
+            kv_cache_usage_perc=used / self.num_kv_blocks,
+            num_free_blocks=self.num_kv_blocks - used,
+            prompt_tokens=prompt_tokens,
+            generation_tokens=gen_tokens,
+            num_requests_running=n_run,
+            num_requests_waiting=n_wait,
+            waiting_prompt_blocks=waiting,
+            max_model_len=self.max_model_len,
+            max_num_seqs=1 << 30,
+            max_concurrent_full_length_seqs=self.num_kv_blocks
             // math.ceil(self.max_model_len / BLOCK_SIZE),
-        }
+            attention_backend="echo",
+        )

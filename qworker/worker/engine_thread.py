@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from qworker.engine.outputs import RequestOutput
 from qworker.engine.sampling_params import SamplingParams
+from qworker.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ class EngineLike(Protocol):
     def step(self) -> list[RequestOutput]: ...
     def abort(self, request_id: str) -> None: ...
     def has_unfinished(self) -> bool: ...
-    def stats(self) -> dict: ...
+    def stats(self) -> EngineStats: ...
 
 
 class EngineThread:

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from qworker.engine.outputs import RequestOutput
+from qworker.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -89,13 +90,13 @@ class WorkerMetrics:
         self._last: dict[str, float] = {}
         self._server: ThreadingHTTPServer | None = None
 
-    def update_engine(self, stats: dict) -> None:
+    def update_engine(self, stats: EngineStats) -> None:
         """Set gauges and advance counters from one ``engine.stats()`` snapshot."""
-        self.requests_running.set(stats.get("num_requests_running", 0))
-        self.requests_waiting.set(stats.get("num_requests_waiting", 0))
-        self.kv_usage.set(stats.get("kv_cache_usage_perc", 0.0))
+        self.requests_running.set(stats.num_requests_running)
+        self.requests_waiting.set(stats.num_requests_waiting)
+        self.kv_usage.set(stats.kv_cache_usage_perc)
         for key, attr in _COUNTER_STATS.items():
-            value = float(stats.get(key, 0))
+            value = float(getattr(stats, key))
             delta = value - self._last.get(key, 0.0)
             if delta > 0:
                 getattr(self, attr).inc(delta)

@@ -133,7 +133,7 @@ class Worker:
         self._drain_deadline: float | None = None
         self._kv_usage = 0.0
         self._last_activity = time.monotonic()
-        self._block_size = int(engine.stats().get("block_size", 16))
+        self._block_size = engine.stats().block_size
         tokenizer = getattr(engine, "tokenizer", None)
         self._decode = (lambda tid: tokenizer.decode([tid])) if tokenizer is not None else None
         self._thread: EngineThread | None = None
@@ -575,18 +575,18 @@ class Worker:
 
     def _sample_stats(self, dt: float) -> None:
         stats = self.engine.stats()
-        self._kv_usage = float(stats.get("kv_cache_usage_perc", 0.0))
+        self._kv_usage = stats.kv_cache_usage_perc
         self.metrics.update_engine(stats)
         self.metrics.inflight.set(self.busy)
         uncommitted = getattr(self.source, "uncommitted_count", None)
         self.metrics.uncommitted.set(uncommitted() if callable(uncommitted) else self.busy)
-        if stats.get("num_requests_running", 0) or stats.get("num_requests_waiting", 0):
+        if stats.num_requests_running or stats.num_requests_waiting:
             self.summary.sample_kv(
-                float(stats.get("kv_cache_usage_perc", 0.0)), dt, saturated=bool(self._ready)
+                stats.kv_cache_usage_perc, dt, saturated=bool(self._ready)
             )
-        self.summary.prompt_tokens = int(stats.get("prompt_tokens", 0))
-        self.summary.generation_tokens = int(stats.get("generation_tokens", 0))
-        self.summary.num_preemptions = int(stats.get("num_preemptions", 0))
+        self.summary.prompt_tokens = stats.prompt_tokens
+        self.summary.generation_tokens = stats.generation_tokens
+        self.summary.num_preemptions = stats.num_preemptions
 
     # ------------------------------------------------------------ drain
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from qworker.engine.stats import EngineStats
 from qworker.worker.admission import Admission
 
 
-def _stats(free: int, waiting: int, total: int = 100) -> dict:
-    return {"num_kv_blocks": total, "num_free_blocks": free, "waiting_prompt_blocks": waiting}
+def _stats(free: int, waiting: int, total: int = 100) -> EngineStats:
+    return EngineStats(num_kv_blocks=total, num_free_blocks=free, waiting_prompt_blocks=waiting)
 
 
 def test_budget_is_free_minus_waiting_minus_pending_minus_buffer() -> None:
