@@ -70,7 +70,9 @@ template <int KV8, int HEAD_DIM> struct DecodeLayout {
   static constexpr int kSRow = kRowBytes + (kChunks % 2 == 0 ? 16 : 0);  // odd count of pieces
   static constexpr int kStageWarp = 2 * kDecodeTile * kSRow;         // K tile, then V tile
   static constexpr int kBudget = 110 * 1024;                         // 2 CTAs per SM fit
-  static constexpr int kWarps = kBudget / (4 * kStageWarp) >= 2 ? 4 : 2;
+  // 4 warps while 2 stages of each fit and the fp32 accumulators leave room under 128
+  // registers; past head 160 (16-bit cache) 2 warps with deeper rings, up to 255 registers.
+  static constexpr int kWarps = kBudget / (4 * kStageWarp) >= 2 && HEAD_DIM * kEB <= 320 ? 4 : 2;
   static constexpr int kStagesFit = kBudget / (kWarps * kStageWarp);
   static constexpr int kStages = kStagesFit > 4 ? 4 : kStagesFit;
   static constexpr int kQRow = HEAD_DIM * 2 + 16;                    // staged query row (16-bit)
@@ -100,8 +102,10 @@ __device__ __forceinline__ float quad_sum(float v) {
 }  // namespace qw
 
 template <int DT, int KV8, int HEAD_DIM, int NT>
+// Register cap: 128 per thread for 4-warp CTAs (4 CTAs' worth); 2-warp CTAs (head 256) are
+// held to 2 per SM by shared memory anyway, so they may use up to 255.
 __global__ void __launch_bounds__(qw::DecodeLayout<KV8, HEAD_DIM>::kWarps * 32,
-                                  16 / qw::DecodeLayout<KV8, HEAD_DIM>::kWarps)
+                                  qw::DecodeLayout<KV8, HEAD_DIM>::kWarps == 4 ? 4 : 2)
 paged_decode_tc(void* __restrict__ out,            // [seqs, q_heads, D], rows out_stride apart
                 float* __restrict__ work_o,         // [seqs, q_heads, gridDim.z, D] (split only)
                 float* __restrict__ work_ml,        // [seqs, q_heads, gridDim.z, 2] (split only)
@@ -123,7 +127,7 @@ paged_decode_tc(void* __restrict__ out,            // [seqs, q_heads, D], rows o
   constexpr int MT = KV8 ? 1 : DT;          // tensor-core input type
   constexpr int ROWS = 8 * NT;              // query heads per CTA
   constexpr int KSTEPS = HEAD_DIM / 16;
-  constexpr bool Q_REGS = HEAD_DIM * NT <= 128;  // else re-read from shared memory per tile
+  constexpr bool Q_REGS = HEAD_DIM * NT <= 64;  // else re-read from shared memory per tile
   static_assert(DT == 1 || DT == 2, "tensor-core decode takes f16 / bf16 queries");
   static_assert(NT == 1 || NT == 2, "NT is 1 or 2");
   static_assert(W * ROWS * (HEAD_DIM + 2) * 4 <= L::kRingBytes, "warp merge must fit the ring");
@@ -131,7 +135,8 @@ paged_decode_tc(void* __restrict__ out,            // [seqs, q_heads, D], rows o
 
   QW_TC_DYNAMIC_SMEM(smem);
   __shared__ int s_last;
-  if (dynamic_smem_bytes() < static_cast<unsigned>(L::kSmemBytes) || gridDim.z > kMaxDecodeSplits) {
+  if (dynamic_smem_bytes() < static_cast<unsigned>(L::kSmemBytes) || gridDim.z > kMaxDecodeSplits ||
+      blockDim.x != W * 32) {
     fail_launch();
     return;
   }
@@ -241,23 +246,41 @@ paged_decode_tc(void* __restrict__ out,            // [seqs, q_heads, D], rows o
       if (hi_ok) hi = bt[(pos0 + 8) >> block_shift];
     }
   };
+  // A lane's 16-byte pieces of a tile: lane l copies column l % C of rows l / C, + STEP,
+  // + 2 STEP, ... (C = pieces per row, STEP = 32 / C rows per pass of the warp), so its
+  // addresses are a per-lane constant plus (for C a power of two) compile-time offsets.
+  constexpr int C = L::kChunks;
+  constexpr int STEP = 32 / C;
+  constexpr int PASSES = (kDecodeTile + STEP - 1) / STEP;
+  constexpr bool EXACT = STEP * C == 32 && kDecodeTile % STEP == 0;  // every lane, every pass
+  constexpr bool FIXED_HALF = EXACT && STEP <= 8;  // a pass's rows 0-7 / 8-15 known at compile time
+  constexpr int ROW = L::kRowBytes;
+  const int r0 = lane / C;
+  const bool lane_on = lane < STEP * C;
+  const int col16 = (lane - r0 * C) * 16;
+  const int lane_s = r0 * L::kSRow + col16;
   auto issue = [&](int i, int blo, int bhi) {
     unsigned char* sk = my_ring + (i % S) * L::kStageWarp;
     unsigned char* sv = sk + kDecodeTile * L::kSRow;
     const int pos0 = (j0 + warp + i * W) * kDecodeTile;
+    // byte offsets of rows 0 and 8 of the tile (blocks hold >= 8 rows, tiles start at 16k)
+    const long long off_lo =
+        (static_cast<long long>(blo) * kv_block_stride + head_off + static_cast<long long>(pos0 & bmask) * HEAD_DIM) * L::kEB + col16;
+    const long long off_hi =
+        (static_cast<long long>(bhi) * kv_block_stride + head_off + static_cast<long long>((pos0 + 8) & bmask) * HEAD_DIM) * L::kEB + col16;
 #pragma unroll
-    for (int c = lane; c < kDecodeTile * L::kChunks; c += 32) {
-      const int r = c / L::kChunks;
-      const int col = c - r * L::kChunks;
+    for (int k = 0; k < PASSES; ++k) {
+      const int r = r0 + k * STEP;
+      if constexpr (!EXACT) {
+        if (!lane_on || r >= kDecodeTile) continue;
+      }
+      const bool upper = FIXED_HALF ? k * STEP >= 8 : r >= 8;
+      const int rin = FIXED_HALF ? r0 + ((k * STEP) & 7) : (r & 7);
       const int pos = pos0 + r;
       const bool ok = pos >= p_lo && pos < p_hi;
-      const long long blk = r < 8 ? blo : bhi;
-      const long long off =
-          ok ? (blk * kv_block_stride + head_off + static_cast<long long>(pos & bmask) * HEAD_DIM) * L::kEB +
-                   col * 16
-             : 0;
-      cp_async16(sk + r * L::kSRow + col * 16, kc + off, ok);
-      cp_async16(sv + r * L::kSRow + col * 16, vc + off, ok);
+      const long long off = (upper ? off_hi : off_lo) + rin * ROW;
+      cp_async16(sk + lane_s + k * STEP * L::kSRow, kc + off, ok);
+      cp_async16(sv + lane_s + k * STEP * L::kSRow, vc + off, ok);
     }
   };
 

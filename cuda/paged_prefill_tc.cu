@@ -73,7 +73,9 @@ __device__ __forceinline__ float quad_sum_p(float v) {
 }  // namespace qw
 
 template <int DT, int KV8, int HEAD_DIM>
-__global__ void __launch_bounds__(128, HEAD_DIM <= 128 ? 2 : 1) paged_prefill_tc(
+// Register cap: 170 per thread (3 CTAs per SM) up to head 96, 255 (2 CTAs) beyond; heads
+// past 160 spill and are not offered (qworker/attention/cuda_kernels.py PREFILL_TC_MAX_HEAD).
+__global__ void __launch_bounds__(128, HEAD_DIM <= 96 ? 3 : 2) paged_prefill_tc(
     void* __restrict__ out,                  // [tokens, q_heads, D], rows out_stride apart
     const void* __restrict__ query,          // [tokens, q_heads, D], rows q_stride apart
     const void* __restrict__ key_cache, const void* __restrict__ value_cache,
@@ -158,22 +160,36 @@ __global__ void __launch_bounds__(128, HEAD_DIM <= 128 ? 2 : 1) paged_prefill_tc
   const int k_first = kv_lo & ~(kPrefillKV - 1);
   const int n_kv = (kv_hi - k_first + kPrefillKV - 1) / kPrefillKV;
 
+  // Thread i copies column i % C of rows i / C, + STEP, ... (C = 16-byte pieces per row,
+  // STEP = 128 / C rows per pass of the CTA): per-thread constants plus row offsets.
+  constexpr int C = L::kChunks;
+  constexpr int STEP = 128 / C;
+  constexpr int PASSES = (kPrefillKV + STEP - 1) / STEP;
+  constexpr bool EXACT = STEP * C == 128 && kPrefillKV % STEP == 0;
+  const int r0 = tid / C;
+  const bool thread_on = tid < STEP * C;
+  const int col16 = (tid - r0 * C) * 16;
+  const int thread_s = r0 * L::kSRow + col16;
+  const long long base = head_off * L::kEB + col16;
   auto issue = [&](int n) {
     unsigned char* sk = s_kv + (n % L::kStages) * L::kStage;
     unsigned char* sv = sk + kPrefillKV * L::kSRow;
     const int pos0 = k_first + n * kPrefillKV;
-    for (int c = tid; c < kPrefillKV * L::kChunks; c += 128) {
-      const int r = c / L::kChunks;
-      const int col = c - r * L::kChunks;
+#pragma unroll
+    for (int k = 0; k < PASSES; ++k) {
+      const int r = r0 + k * STEP;
+      if constexpr (!EXACT) {
+        if (!thread_on || r >= kPrefillKV) continue;
+      }
       const int pos = pos0 + r;
       const bool ok = pos >= kv_lo && pos < kv_hi;
       long long off = 0;
       if (ok) {
         const long long blk = bt[pos >> block_shift];
-        off = (blk * kv_block_stride + head_off + static_cast<long long>(pos & bmask) * HEAD_DIM) * L::kEB + col * 16;
+        off = base + (blk * kv_block_stride + static_cast<long long>(pos & bmask) * HEAD_DIM) * L::kEB;
       }
-      cp_async16(sk + r * L::kSRow + col * 16, kc + off, ok);
-      cp_async16(sv + r * L::kSRow + col * 16, vc + off, ok);
+      cp_async16(sk + thread_s + k * STEP * L::kSRow, kc + off, ok);
+      cp_async16(sv + thread_s + k * STEP * L::kSRow, vc + off, ok);
     }
   };
 

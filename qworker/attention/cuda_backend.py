@@ -36,6 +36,7 @@ from qworker.attention.cuda_kernels import (
     layout_reason,
     plan_decode,
     prefill_choice,
+    prefill_tc_supported,
     reduce_name,
     reshape_and_cache_fp8_name,
     reshape_and_cache_name,
@@ -288,6 +289,7 @@ class CudaAttentionBackend(AttentionBackend):
         if is_fp8(key_cache.dtype):
             scales = resolve_scales(key_cache, kv_scales)[0]
         query = _rows(query)
+        dim = query.shape[2]
         out = torch.empty_like(query)
         tables = meta.block_tables
         if tables.dtype != torch.int32 or tables.stride(-1) != 1:
@@ -310,6 +312,8 @@ class CudaAttentionBackend(AttentionBackend):
             mode = self.prefill
             if mode == "auto":
                 mode = prefill_choice(meta.num_seqs - num_decodes, meta.max_query_len)
+            if mode == "paged" and path == "tc" and not prefill_tc_supported(query.dtype, dim):
+                mode = "sdpa"  # past PREFILL_TC_MAX_HEAD
             self.last_prefill = mode
             if mode == "sdpa":
                 sdpa_prefill(query, key_cache, value_cache, tables, starts, lens, num_decodes,

@@ -123,9 +123,19 @@ TC_SPLIT_UNIT = 64
 SMEM_PER_SM = 228 * 1024
 
 
+#: Largest head size of the tensor-core prefill kernel: its 16 x HEAD_DIM fp32 accumulator
+#: per warp spills past it (ptxas), so larger heads prefill through gather + SDPA.
+PREFILL_TC_MAX_HEAD = 160
+
+
 def tc_supported(dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether the tensor-core kernels serve this query dtype and head size."""
+    """Whether the tensor-core decode kernel serves this query dtype and head size."""
     return dtype in TC_DTYPE_CODE and head_dim % 16 == 0 and 16 <= head_dim <= 256
+
+
+def prefill_tc_supported(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the tensor-core prefill kernel serves this query dtype and head size."""
+    return tc_supported(dtype, head_dim) and head_dim <= PREFILL_TC_MAX_HEAD
 
 
 @dataclass(slots=True, frozen=True)
@@ -143,7 +153,7 @@ def decode_tc_layout(kv8: bool, head_dim: int) -> TcLayout:
     srow = row + (16 if (row // 16) % 2 == 0 else 0)
     stage_warp = 2 * 16 * srow
     budget = 110 * 1024
-    warps = 4 if budget // (4 * stage_warp) >= 2 else 2
+    warps = 4 if budget // (4 * stage_warp) >= 2 and row <= 320 else 2
     stages = min(4, budget // (warps * stage_warp))
     q_bytes = 16 * (head_dim * 2 + 16)
     return TcLayout(warps, stages, q_bytes + warps * stages * stage_warp)
@@ -340,6 +350,7 @@ def all_instantiations() -> dict[str, list[str]]:
         for code in TC_DTYPE_CODE.values()
         for kv8 in (0, 1)
         for d in TC_HEAD_SIZES
+        if d <= PREFILL_TC_MAX_HEAD
     ]
     return {
         PAGED_ATTENTION: decode + reduce,

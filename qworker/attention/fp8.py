@@ -5,9 +5,9 @@
 one for V (per-tensor scaling): a cache write stores ``e4m3(x / scale)`` (round to nearest
 even, saturating at +-448), a read is ``stored * scale``.
 
-A layer's scales are set by its first cache write: ``scale = amax(x) * HEADROOM / 448``
-over that write's real tokens (device ops, no host sync), then fixed, since every stored
-byte depends on them. ``HEADROOM`` lets later values grow to twice the first write's
+A layer's scales are set by its first cache write with real tokens:
+``scale = amax(x) * HEADROOM / 448`` over those tokens (one host read per layer, once), then
+fixed, since every stored byte depends on them. ``HEADROOM`` lets later values grow to twice the first write's
 largest magnitude before they saturate; e4m3 keeps about 2^-4 relative precision over
 2^15 of range below that. The first write of a layer is normally the engine's profiling
 forward or first prefill, before any CUDA graph is captured.
@@ -83,10 +83,21 @@ class KVScales:
     def calibrate(
         self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
-        """Set ``layer``'s scales from this write (padding rows, slot -1, excluded); once."""
+        """Set ``layer``'s scales from this write's real rows (slot >= 0), once.
+
+        A write with no real row (a CUDA-graph warm-up of padding) leaves the layer
+        uncalibrated, and so does one made during graph capture (the check reads one value
+        back): captured kernels read the scales from device memory at replay, and decode
+        steps only follow a sequence's (eager) prefill, which calibrates first.
+        """
         if self.calibrated[layer]:
             return
-        keep = (slot_mapping >= 0).to(key.device).view(-1, *([1] * (key.dim() - 1)))
+        if key.is_cuda and torch.cuda.is_current_stream_capturing():
+            return
+        keep = (slot_mapping >= 0).to(key.device)
+        if not bool(keep.any()):
+            return
+        keep = keep.view(-1, *([1] * (key.dim() - 1)))
         amax = torch.stack([(key.float().abs() * keep).amax(), (value.float().abs() * keep).amax()])
         self.values[layer].copy_(amax.clamp_min(MIN_AMAX) * (HEADROOM / FP8_MAX))
         self.calibrated[layer] = True
