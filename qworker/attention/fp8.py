@@ -7,10 +7,10 @@ even, saturating at +-448), a read is ``stored * scale``.
 
 A layer's scales are set by its first cache write with real tokens:
 ``scale = amax(x) * HEADROOM / 448`` over those tokens (one host read per layer, once), then
-fixed, since every stored byte depends on them. ``HEADROOM`` lets later values grow to twice the first write's
-largest magnitude before they saturate; e4m3 keeps about 2^-4 relative precision over
-2^15 of range below that. The first write of a layer is normally the engine's profiling
-forward or first prefill, before any CUDA graph is captured.
+fixed, since every stored byte depends on them. ``HEADROOM`` lets later values grow to
+twice the first write's largest magnitude before they saturate; e4m3 keeps about 2^-4
+relative precision over 2^15 of range below that. The first real write of a layer is the
+engine's first prefill (a pool reallocated after profiling starts uncalibrated again).
 
 The scales live next to the pool (``KVCache.scales``, a ``[num_layers, 2]`` fp32 tensor
 on the pool's device: ``{k_scale, v_scale}`` per layer, the layout the kernels read

@@ -111,10 +111,14 @@ def test_emulated_fixed_plan_serves_shorter_and_fewer_sequences(emu_kernels) -> 
     too_many = make_batch([1] * 5, [9] * 5, 8, 2, 64, 16, torch.bfloat16)
     too_many.meta.decode_plan = fixed
     with pytest.raises(ValueError, match="exceed"):
-        backend.forward(too_many.query, too_many.key_cache, too_many.value_cache, too_many.meta, 1.0)
+        backend.forward(
+            too_many.query, too_many.key_cache, too_many.value_cache, too_many.meta, 1.0
+        )
 
 
-def test_emulated_sequence_longer_than_the_fixed_bound_still_attends_everything(emu_kernels) -> None:  # type: ignore[no-untyped-def]
+def test_emulated_sequence_longer_than_the_fixed_bound_still_attends_everything(
+    emu_kernels,
+) -> None:  # type: ignore[no-untyped-def]
     backend = _backend(emu_kernels)
     fixed = backend.plan_decode(1, 256, 8, 2, 64, torch.bfloat16, device="cpu")
     batch = make_batch([1], [700], 8, 2, 64, 16, torch.bfloat16, seed=9)
@@ -148,3 +152,105 @@ def test_missing_cp_async_wait_poisons_the_result(emu_kernels) -> None:  # type:
     out = backend.forward(batch.query, batch.key_cache, batch.value_cache, batch.meta, 0.125)
     ref = REF.forward(batch.query, batch.key_cache, batch.value_cache, batch.meta, 0.125)
     assert rel_err(out, ref) > 0.5  # NaN (inf) when poison is read
+
+
+# ---------------------------------------------------------------------------------------
+# GPU (-m gpu): the cupy-compiled kernels
+
+GPU_GQA = [(8, 8), (8, 4), (8, 2), (8, 1), (14, 2), (32, 1), (24, 2), (12, 4)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv8", [False, True])
+@pytest.mark.parametrize("dim", [64, 80, 96, 128, 160, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_tc_decode_matches_reference(dtype: torch.dtype, dim: int, kv8: bool) -> None:
+    import random
+
+    rng = random.Random(dim * 2 + kv8)
+    failures = []
+    for (q_heads, kv_heads), block_size in zip(GPU_GQA, [8, 16, 32, 16, 8, 32, 16, 8], strict=True):
+        for split in (None, False, True):
+            window = rng.choice([None, None, 300])
+            lens = [1, block_size + 1, 3 * block_size - 1] + [
+                rng.randint(2, 3000) for _ in range(4)
+            ]
+            seed = rng.randint(0, 1 << 30)
+            batch = make_batch([1] * len(lens), lens, q_heads, kv_heads, dim, block_size, dtype,
+                               "cuda", sliding_window=window, seed=seed)  # fmt: skip
+            scales = None
+            if kv8:
+                batch, scales = fp8_batch(batch)
+            backend = CudaAttentionBackend(split_k=split, partition_size=rng.choice([64, 256, 512]))
+            out = backend.forward(batch.query, batch.key_cache, batch.value_cache, batch.meta,
+                                  dim**-0.5, kv_scales=scales)  # fmt: skip
+            assert backend.last_decode.name.startswith("paged_decode_tc")
+            ref = REF.forward(batch.query, batch.key_cache, batch.value_cache, batch.meta,
+                              dim**-0.5, kv_scales=scales)  # fmt: skip
+            err = rel_err(out, ref)
+            if not err < TOLERANCE[dtype]:
+                failures.append((q_heads, kv_heads, block_size, split, window, lens, err))
+    assert not failures, failures
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv8", [False, True])
+def test_gpu_tc_decode_long_contexts_split_and_merge_in_one_launch(kv8: bool) -> None:
+    lens = [32768, 32000 + 3, 1, 4097]
+    batch = make_batch([1] * 4, lens, 32, 8, 128, 16, torch.bfloat16, "cuda", seed=11)
+    scales = None
+    if kv8:
+        batch, scales = fp8_batch(batch)
+    ref = REF.forward(batch.query, batch.key_cache, batch.value_cache, batch.meta, 128**-0.5,
+                      kv_scales=scales)  # fmt: skip
+    for split in (None, False):
+        backend = CudaAttentionBackend(split_k=split)
+        out = backend.forward(batch.query, batch.key_cache, batch.value_cache, batch.meta,
+                              128**-0.5, kv_scales=scales)  # fmt: skip
+        assert backend.last_decode.split == (split is None)
+        assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv8", [False, True])
+def test_gpu_tc_decode_replays_in_a_cuda_graph_as_sequences_grow(kv8: bool) -> None:
+    # Capture one decode with a fixed plan (8 sequences up to 4096 tokens), then replay it
+    # after growing seq_lens in place: the graph holds the grid, the kernel reads the lengths.
+    final = [4000, 3000, 17, 1, 2048, 999, 4096, 64]
+    batch = make_batch([1] * 8, final, 32, 8, 128, 16, torch.bfloat16, "cuda", seed=5)
+    scales = None
+    if kv8:
+        batch, scales = fp8_batch(batch)
+    backend = CudaAttentionBackend()
+    fixed = backend.plan_decode(8, 4096, 32, 8, 128, torch.bfloat16,
+                                batch.key_cache.dtype, device="cuda")  # fmt: skip
+    meta = batch.meta
+    meta.decode_plan = fixed
+    meta.seq_lens.copy_(torch.tensor([100, 50, 3, 1, 700, 999, 2000, 10], device="cuda"))
+    args = (batch.query, batch.key_cache, batch.value_cache, meta, 0.09)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture (compiles, calibrates)
+        backend.forward(*args, kv_scales=scales)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(*args, kv_scales=scales)
+    for lens in ([100, 50, 3, 1, 700, 999, 2000, 10], [3999, 2500, 17, 1, 2048, 999, 4096, 64]):
+        meta.seq_lens.copy_(torch.tensor(lens, device="cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = REF.forward(*args, kv_scales=scales)
+        assert rel_err(out, ref) < TOLERANCE[torch.bfloat16], lens
+    assert int(fixed.workspace.counters.abs().sum()) == 0
+
+
+@pytest.mark.gpu
+def test_gpu_tc_decode_without_a_fixed_plan_refuses_capture() -> None:
+    batch = make_batch([1] * 2, [900, 40], 8, 2, 128, 16, torch.bfloat16, "cuda")
+    backend = CudaAttentionBackend()
+    backend.forward(batch.query, batch.key_cache, batch.value_cache, batch.meta, 0.1)
+    graph = torch.cuda.CUDAGraph()
+    fresh = make_batch([1] * 2, [900, 40], 8, 2, 128, 16, torch.bfloat16, "cuda")
+    with pytest.raises(RuntimeError, match="fixed plan"), torch.cuda.graph(graph):
+        backend.forward(fresh.query, fresh.key_cache, fresh.value_cache, fresh.meta, 0.1)

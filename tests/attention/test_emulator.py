@@ -150,11 +150,15 @@ def test_mma_computes_d_equals_a_b_plus_c_in_the_ptx_layout(emu_kernels, mt: int
     a = (torch.arange(256).view(16, 16) * 7 % 11 - 5).float()
     b = (torch.arange(128).view(16, 8) * 5 % 9 - 4).float()
     c = torch.arange(128, dtype=torch.float32).view(16, 8) * 0.5
-    frags = torch.tensor(_fragments(a, b, dtype), dtype=torch.int64).to(torch.uint32).view(torch.int32)
+    frags = (
+        torch.tensor(_fragments(a, b, dtype), dtype=torch.int64).to(torch.uint32).view(torch.int32)
+    )
     c_in = torch.zeros(32, 4)
     for lane in range(32):
         g, t = lane // 4, lane % 4
-        c_in[lane] = torch.stack([c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1]])
+        c_in[lane] = torch.stack(
+            [c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1]]
+        )
     d = torch.zeros(32, 4)
     _launch(emu_kernels, f"qw_test_mma<{mt}>", (ptr(frags), ptr(c_in), ptr(d)))
     want = a @ b + c

@@ -84,3 +84,33 @@ def test_prefill_choice_rule() -> None:
     assert prefill_choice(4, 2048) == "paged"  # several sequences: one launch beats a loop
     assert prefill_choice(1, 512) == "paged"
     assert prefill_choice(1, 8192) == "sdpa"  # one long chunk: FlashAttention via SDPA
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv8", [False, True])
+@pytest.mark.parametrize("dim", [64, 80, 128, 160])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_tc_prefill_matches_reference(dtype: torch.dtype, dim: int, kv8: bool) -> None:
+    failures = []
+    for (q_heads, kv_heads), block_size, window in (
+        ((32, 8), 16, None),
+        ((8, 8), 8, 500),
+        ((16, 1), 32, None),
+        ((28, 4), 16, 1000),
+    ):
+        batch = make_batch([1, 1, 37, 300, 5, 700], [1, 700, 500, 300, 4000, 2000], q_heads,
+                           kv_heads, dim, block_size, dtype, "cuda", sliding_window=window,
+                           pad_tokens=5, seed=q_heads + dim)  # fmt: skip
+        scales = None
+        if kv8:
+            batch, scales = fp8_batch(batch)
+        backend = CudaAttentionBackend(prefill="paged")
+        out = backend.forward(batch.query, batch.key_cache, batch.value_cache, batch.meta, 0.09,
+                              kv_scales=scales)  # fmt: skip
+        assert backend.last_prefill == "paged"
+        ref = REF.forward(batch.query, batch.key_cache, batch.value_cache, batch.meta, 0.09,
+                          kv_scales=scales)  # fmt: skip
+        err = rel_err(out, ref, slice(0, batch.meta.num_tokens - 5))
+        if not err < TOLERANCE[dtype]:
+            failures.append((q_heads, kv_heads, block_size, window, err))
+    assert not failures, failures
