@@ -33,15 +33,10 @@ TC_NVCC_SAMPLE = {
     ck.DECODE_TC: [
         "paged_decode_tc<2, 0, 128, 1>",
         "paged_decode_tc<2, 0, 96, 2>",
-        "paged_decode_tc<1, 1, 128, 1>",
         "paged_decode_tc<2, 0, 256, 1>",
         "paged_decode_tc<1, 1, 256, 1>",
     ],
-    ck.PREFILL_TC: [
-        "paged_prefill_tc<2, 0, 128>",
-        "paged_prefill_tc<1, 1, 128>",
-        "paged_prefill_tc<2, 0, 160>",
-    ],
+    ck.PREFILL_TC: ["paged_prefill_tc<2, 0, 128>", "paged_prefill_tc<2, 0, 160>"],
 }
 
 NVRTC_TC_SAMPLE = {
