@@ -310,9 +310,12 @@ class CudaAttentionBackend(AttentionBackend):
         if num_decodes < meta.num_seqs:
             starts, lens = self._host_lists(meta)
             mode = self.prefill
-            if mode == "auto":
-                mode = prefill_choice(meta.num_seqs - num_decodes, meta.max_query_len)
-            if mode == "paged" and path == "tc" and not prefill_tc_supported(query.dtype, dim):
+            tc_prefill = path == "tc" and prefill_tc_supported(query.dtype, dim)
+            if mode == "auto":  # the legacy per-token path never wins (cuda/NOTES.md)
+                mode = "sdpa"
+                if tc_prefill:
+                    mode = prefill_choice(meta.num_seqs - num_decodes, meta.max_query_len)
+            if mode == "paged" and path == "tc" and not tc_prefill:
                 mode = "sdpa"  # past PREFILL_TC_MAX_HEAD
             self.last_prefill = mode
             if mode == "sdpa":

@@ -82,8 +82,9 @@ class TcLauncher:
         self._emulated = emulated
         self._workspaces: dict[Any, Workspace] = {}
         self._retired: list[Workspace] = []  # outgrown ones stay alive (graphs may hold them)
-        self._step: tuple[int, Any, Any] | None = None  # (id(meta), key, cached value)
-        self._tiles: tuple[int, int, torch.Tensor] | None = None
+        # per-step caches hold the metadata object itself: an id() could be reused
+        self._step: tuple[AttentionMetadata, Any, Any] | None = None  # (meta, key, launch)
+        self._tiles: tuple[AttentionMetadata, int, torch.Tensor] | None = None
         self.last_decode: DecodeTcPlan | None = None
 
     # -- decode --------------------------------------------------------------------------
@@ -142,52 +143,78 @@ class TcLauncher:
         split_k: bool | None,
         partition_size: int | None,
     ) -> None:
-        """Attend the ``len(seq_lens)`` decode rows of ``query`` into ``out``."""
+        """Attend the ``len(seq_lens)`` decode rows of ``query`` into ``out``.
+
+        Everything but the layer's own pointers (query, out, caches, scales) is worked out
+        once per step and reused by every layer."""
+        key = (query.dtype, kv_scales is not None, query.shape, key_cache.shape, query.stride(0),
+               key_cache.stride(0), block_tables.data_ptr(), seq_lens.data_ptr(), scale)  # fmt: skip
+        cached = self._step
+        if cached is not None and cached[0] is meta and cached[1] == key:
+            launch = cached[2]
+        else:
+            launch = self._decode_launch(query, key_cache, block_tables, seq_lens, meta, scale,
+                                         kv_scales is not None, num_sms, split_k,
+                                         partition_size)  # fmt: skip
+            self._step = (meta, key, launch)
+        plan, kernel, grid, smem, head, tail = launch
+        self.last_decode = plan
+        args = (
+            ptr(out), *head, ptr(query), ptr(key_cache), ptr(value_cache), *tail[:2],
+            ptr(kv_scales), i64(query.stride(0)), i64(out.stride(0)), *tail[2:],
+        )  # fmt: skip
+        self._kernels.launch(kernel, grid, (plan.warps * 32, 1, 1), args, query.device,
+                             shared_mem=smem)  # fmt: skip
+
+    def _decode_launch(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        kv8: bool,
+        num_sms: int,
+        split_k: bool | None,
+        partition_size: int | None,
+    ) -> tuple[Any, ...]:
+        """The step's plan, kernel, grid and the argument groups shared by every layer."""
         num_seqs = seq_lens.shape[0]
         device = query.device
         _, q_heads, dim = query.shape
         _, kv_heads, block_size, _ = key_cache.shape
-        kv8 = kv_scales is not None
         fixed: FixedDecodePlan | None = meta.decode_plan
         if fixed is not None:
             if num_seqs > fixed.max_seqs:
                 raise ValueError(f"{num_seqs} decodes exceed the fixed plan's {fixed.max_seqs}")
             plan, ws = fixed.plan, fixed.workspace
         else:
-            key = ("decode", query.dtype, kv8, dim, num_seqs, q_heads, kv_heads)
-            cached = self._step
-            if cached is not None and cached[0] == id(meta) and cached[1] == key:
-                plan = cached[2]
-            else:
-                if not self._emulated and torch.cuda.is_current_stream_capturing():
-                    raise RuntimeError(
-                        "decode launched during CUDA-graph capture without a fixed plan: set "
-                        "meta.decode_plan = CudaAttentionBackend.plan_decode(...)"
-                    )
-                group = q_heads // kv_heads
-                plan = plan_decode_tc(query.dtype, kv8, dim, num_seqs, kv_heads, group,
-                                      meta.max_seq_len, num_sms, meta.sliding_window, split_k,
-                                      partition_size)  # fmt: skip
-                self._step = (id(meta), key, plan)
+            if not self._emulated and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    "decode launched during CUDA-graph capture without a fixed plan: set "
+                    "meta.decode_plan = CudaAttentionBackend.plan_decode(...)"
+                )
+            group = q_heads // kv_heads
+            plan = plan_decode_tc(query.dtype, kv8, dim, num_seqs, kv_heads, group,
+                                  meta.max_seq_len, num_sms, meta.sliding_window, split_k,
+                                  partition_size)  # fmt: skip
             ws = None
             if plan.split:
                 floats = num_seqs * q_heads * plan.num_splits * dim
                 ws = self._dynamic_workspace(device, floats, num_seqs * kv_heads * plan.head_tiles)
         assert plan.num_splits <= TC_MAX_SPLITS
-        self.last_decode = plan
         kernel = self._kernels.get(DECODE_TC, plan.name, device)
-        args = (
-            ptr(out), ptr(ws.work_o if ws else None), ptr(ws.work_ml if ws else None),
-            ptr(ws.counters if ws else None), ptr(query), ptr(key_cache), ptr(value_cache),
-            ptr(block_tables), ptr(seq_lens), ptr(kv_scales),
-            i64(query.stride(0)), i64(out.stride(0)), i32(block_tables.stride(0)),
-            i32(kv_heads), i32(q_heads // kv_heads), i32(plan.head_tiles),
-            i64(key_cache.stride(0)), i64(key_cache.stride(1)), i32(block_size.bit_length() - 1),
-            f32(scale * _LOG2E), i32(meta.sliding_window or 0), i32(plan.partition_size),
-        )  # fmt: skip
         grid = (num_seqs, kv_heads * plan.head_tiles, plan.num_splits)
-        self._kernels.launch(kernel, grid, (plan.warps * 32, 1, 1), args, device,
-                             shared_mem=plan.smem_bytes)  # fmt: skip
+        head = (ptr(ws.work_o if ws else None), ptr(ws.work_ml if ws else None),
+                ptr(ws.counters if ws else None))  # fmt: skip
+        tail = (
+            ptr(block_tables), ptr(seq_lens), i32(block_tables.stride(0)), i32(kv_heads),
+            i32(q_heads // kv_heads), i32(plan.head_tiles), i64(key_cache.stride(0)),
+            i64(key_cache.stride(1)), i32(block_size.bit_length() - 1), f32(scale * _LOG2E),
+            i32(meta.sliding_window or 0), i32(plan.partition_size),
+        )  # fmt: skip
+        return plan, kernel, grid, plan.smem_bytes, head, tail
 
     # -- prefill -------------------------------------------------------------------------
 
@@ -198,7 +225,7 @@ class TcLauncher:
         """The step's ``[tiles, 2]`` int32 table (sequence, first row), longest context
         first, on ``device`` (built once per step)."""
         cached = self._tiles
-        if cached is not None and cached[0] == id(meta) and cached[1] == group:
+        if cached is not None and cached[0] is meta and cached[1] == group:
             return cached[2]
         first = meta.num_decodes
         seqs = np.arange(first, meta.num_seqs)
@@ -215,7 +242,7 @@ class TcLauncher:
         order = np.argsort(-(past + last // group), kind="stable")
         table = np.stack([seq_of[order], row0[order]], axis=1).astype(np.int32)
         tiles = torch.from_numpy(np.ascontiguousarray(table)).to(device)
-        self._tiles = (id(meta), group, tiles)
+        self._tiles = (meta, group, tiles)
         return tiles
 
     def prefill(
