@@ -147,8 +147,10 @@ class TcLauncher:
 
         Everything but the layer's own pointers (query, out, caches, scales) is worked out
         once per step and reused by every layer."""
+        # id() of the fixed plan is stable: the cached metadata keeps it alive
         key = (query.dtype, kv_scales is not None, query.shape, key_cache.shape, query.stride(0),
-               key_cache.stride(0), block_tables.data_ptr(), seq_lens.data_ptr(), scale)  # fmt: skip
+               key_cache.stride(0), block_tables.data_ptr(), seq_lens.data_ptr(), scale,
+               id(meta.decode_plan))  # fmt: skip
         cached = self._step
         if cached is not None and cached[0] is meta and cached[1] == key:
             launch = cached[2]

@@ -116,6 +116,18 @@ def test_emulated_fixed_plan_serves_shorter_and_fewer_sequences(emu_kernels) -> 
         )
 
 
+def test_emulated_fixed_plan_set_on_a_seen_step_takes_effect(emu_kernels) -> None:  # type: ignore[no-untyped-def]
+    batch = make_batch([1, 1], [300, 20], 8, 2, 64, 16, torch.bfloat16, seed=6)
+    backend = _backend(emu_kernels)
+    backend.forward(batch.query, batch.key_cache, batch.value_cache, batch.meta, 0.1)
+    fixed = backend.plan_decode(2, 4000, 8, 2, 64, torch.bfloat16, device="cpu")
+    batch.meta.decode_plan = fixed
+    out = backend.forward(batch.query, batch.key_cache, batch.value_cache, batch.meta, 0.1)
+    assert backend.last_decode is fixed.plan
+    ref = REF.forward(batch.query, batch.key_cache, batch.value_cache, batch.meta, 0.1)
+    assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
+
+
 def test_emulated_sequence_longer_than_the_fixed_bound_still_attends_everything(
     emu_kernels,
 ) -> None:  # type: ignore[no-untyped-def]
