@@ -81,6 +81,10 @@ class WorkerSettings(EngineSettings):  # type: ignore[misc, valid-type]
         None, description="exit 0 once no job arrived for this many seconds and none is in flight"
     )
     metrics_port: int = Field(9400, description="Prometheus /metrics port (0 = any free port)")
+    metrics_max_batches: int = Field(
+        64, description="batches with their own qworker_batch_jobs_completed_total series "
+        "(the most recent; bounds the series count)"
+    )
     drain_seconds: float = Field(90.0, description="time given to in-flight jobs at shutdown")
     sink_outage_seconds: float = Field(
         300.0, description="how long the sink may keep failing before the worker gives up"
@@ -177,6 +181,7 @@ class WorkerSettings(EngineSettings):  # type: ignore[misc, valid-type]
 
     @field_validator(
         "max_job_bytes",
+        "metrics_max_batches",
         "max_inflight_jobs",
         "sqs_visibility_timeout",
         "kafka_session_timeout_ms",

@@ -119,6 +119,7 @@ class Worker:
         self.sink = sink
         self.sink_prefix = sink_prefix
         self.metrics = metrics or WorkerMetrics()
+        self.metrics.set_model(engine.model_name)
         self.drain = drain or DrainControl()
         self.admission = Admission(settings.max_inflight_jobs, settings.admission_buffer_blocks)
         self.summary = RunSummary()
@@ -450,7 +451,7 @@ class Worker:
             log.info("result already stored (duplicate) at %s", key, extra=_ids(custom_id, msg))
         await self.source.ack(msg)
         self.summary.completed[status] += 1
-        self.metrics.jobs_completed.labels(status=status).inc()
+        self.metrics.job_completed(status, batch_id)
         if written:
             log.info("%s -> %s", status, key, extra=_ids(custom_id, msg))
 

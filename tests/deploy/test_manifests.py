@@ -30,7 +30,9 @@ DESIGN_METRICS = {
     "qworker_jobs_received_total", "qworker_jobs_completed_total", "qworker_jobs_duplicate_total",
     "qworker_jobs_dead_lettered_total", "qworker_inflight_jobs", "qworker_uncommitted_offsets",
     "qworker_sink_put_seconds", "qworker_sink_retries_total", "qworker_draining",
-    "qworker_spot_interruptions_total",
+    "qworker_spot_interruptions_total", "qworker_prefix_cache_queries_total",
+    "qworker_inter_token_latency_seconds", "qworker_request_queue_time_seconds",
+    "qworker_info", "qworker_batch_jobs_completed_total", "qworker_jobs_conflict_total",
 }
 _HISTOGRAM_SUFFIX = re.compile(r"_(bucket|sum|count)$")
 
