@@ -276,6 +276,40 @@ def test_image_drains_on_sigterm_as_non_root_with_healthcheck() -> None:
     assert "QWORKER_METRICS_PORT" in text
 
 
+def test_image_builds_the_tested_torch_line_and_declares_every_import() -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    (image_torch,) = re.findall(r"^ARG TORCH_VERSION=(\S+)", dockerfile, re.MULTILINE)
+    (tested,) = re.findall(r"pip install -q torch==(\S+)", (ROOT / "Makefile").read_text())
+    assert image_torch == tested
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = {re.split(r"[\[<>=!~ ]", d, maxsplit=1)[0].lower().replace("_", "-")
+                for d in project["dependencies"]}
+    # every third-party module qworker/ imports, mapped to its distribution
+    import ast
+    import importlib.metadata
+    import sys
+
+    owners = importlib.metadata.packages_distributions()
+    optional = {"cupy": "gpu extra", "cryptography": "qworker.testing only (dev extra)"}
+    for path in (ROOT / "qworker").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.module
+                     and not node.level else [])
+            for name in names:
+                top = name.split(".")[0]
+                if top in sys.stdlib_module_names or top in ("qworker", "__future__"):
+                    continue
+                if top in optional:
+                    continue
+                dists = {d.lower().replace("_", "-") for d in owners.get(top, [top])}
+                assert dists & declared, f"{path.relative_to(ROOT)} imports {name}: undeclared"
+    bounded = {d.split(">=")[0].split("[")[0]: d for d in project["dependencies"]}
+    assert "<" in bounded["transformers"] and "<" in bounded["gguf"]  # internals imported
+
+
 def test_terraform_retries_spot_reclaims_and_tags_everything() -> None:
     tf = {p.name: p.read_text() for p in (DEPLOY / "terraform").glob("*.tf")}
     batch = tf["batch.tf"]
