@@ -174,6 +174,7 @@ def test_drain_abandons_unfinished_jobs_without_acking(tmp_path: Path) -> None:
     assert read_results(tmp_path / "out") == {}
     assert acked_lines(tmp_path / "jobs.jsonl.progress") == set()
     assert worker.summary.abandoned == 3 and worker.summary.drain_reason == "signal"
+    assert worker.exit_code == 75  # drained with work left: AWS Batch retries the child
 
 
 def test_admission_keeps_waiting_work_within_the_pool(tmp_path: Path) -> None:
@@ -264,7 +265,7 @@ class _BrokenSink(FileSink):
         raise OSError("disk on fire")
 
 
-def test_a_sink_that_keeps_failing_stops_the_worker_with_exit_1_and_nothing_acked(
+def test_a_sink_that_keeps_failing_stops_the_worker_with_exit_69_and_nothing_acked(
     tmp_path: Path,
 ) -> None:
     spool = write_spool(tmp_path / "jobs.jsonl", [chat_job(f"f{i}") for i in range(8)])
@@ -280,7 +281,7 @@ def test_a_sink_that_keeps_failing_stops_the_worker_with_exit_1_and_nothing_acke
         return worker
 
     worker = asyncio.run(main())
-    assert worker.exit_code == 1 and worker.summary.drain_reason == "fatal"
+    assert worker.exit_code == 69 and worker.summary.drain_reason == "fatal"
     assert acked_lines(tmp_path / "jobs.jsonl.progress") == set()
 
 
@@ -348,7 +349,7 @@ def test_a_drain_during_a_sink_outage_stops_retrying_at_the_drain_budget(tmp_pat
         return worker, time.monotonic() - started
 
     worker, took = asyncio.run(main())
-    assert worker.exit_code == 0 and worker.summary.drain_reason == "signal"
+    assert worker.exit_code == 75 and worker.summary.drain_reason == "signal"  # work left
     assert took < 1.0 + 1 + 3  # signal + drain budget + slack, not the 30 s store wait
     assert acked_lines(tmp_path / "jobs.jsonl.progress") == set()
 
@@ -364,7 +365,7 @@ class _HangingStart(FileSource):
         await super().close()
 
 
-def test_a_drain_during_source_start_cancels_the_start_and_exits_0(tmp_path: Path) -> None:
+def test_a_drain_during_source_start_cancels_the_start_and_exits_75(tmp_path: Path) -> None:
     spool = write_spool(tmp_path / "jobs.jsonl", [chat_job("s1")])
     source = _HangingStart(spool)
     drain = DrainControl()
@@ -378,7 +379,7 @@ def test_a_drain_during_source_start_cancels_the_start_and_exits_0(tmp_path: Pat
         return worker, time.monotonic() - started
 
     worker, took = asyncio.run(main())
-    assert worker.exit_code == 0 and worker.summary.drain_reason == "signal"
+    assert worker.exit_code == 75 and worker.summary.drain_reason == "signal"
     assert took < 5 and source.closed
     assert worker.summary.received == 0 and read_results(tmp_path / "out") == {}
 

@@ -57,6 +57,7 @@ from aiokafka.structs import OffsetAndMetadata
 
 from qworker.worker.sources.base import Message, Source
 from qworker.worker.sources.kafka_client import KafkaSecurity, check_codecs
+from qworker.worker.sources.kafka_lag import RecordProbe, group_lag
 from qworker.worker.sources.kafka_produce import (
     DLQ_REASON_HEADER,
     DLQ_SOURCE_HEADER,
@@ -161,6 +162,7 @@ class KafkaSource(Source):
         self.pauses = 0
         self._consumer: AIOKafkaConsumer | None = None
         self._dlq = DeadLetterProducer(bootstrap, self.dlq_topic, request_timeout, self.security)
+        self._probe = RecordProbe(bootstrap, request_timeout, **self.security.client_options())
         self._fatal: KafkaDecodeError | None = None
         self._commit_lock = asyncio.Lock()
         self._book = PartitionBook()
@@ -243,6 +245,7 @@ class KafkaSource(Source):
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._consumer.stop(), self.request_timeout)
         await self._dlq.stop()
+        await self._probe.stop()
         self._ready.set()
         log.info("kafka source closed topic=%s group=%s", self.topic, self.group)
 
@@ -312,6 +315,24 @@ class KafkaSource(Source):
         await self._dlq.send(msg, reason)
         log.warning("dead-lettered message_id=%s to %s: %s", msg.message_id, self.dlq_topic, reason)
         await self.ack(msg)
+
+    async def pending_work(self) -> int:
+        """The group's lag over every partition of the topic, after committing ours.
+
+        Lag is end offset minus committed offset (the log start when nothing was
+        committed). Some brokers report end offsets per record batch rather than per
+        record (the tansu test broker does), so a zero lag is confirmed by fetching
+        from the committed offsets: any record found there is pending work. Raises
+        when the broker cannot be asked.
+        """
+        consumer = self._consumer
+        if consumer is None:
+            raise RuntimeError("kafka source not started")
+        await self.commit()
+        lag, starts = await group_lag(consumer, self.topic, self.request_timeout)
+        if lag == 0:
+            lag = await self._probe.records_from(starts)
+        return max(lag, len(self._buffer))
 
     # -- introspection ---------------------------------------------------------------
 
