@@ -250,9 +250,11 @@ __device__ __forceinline__ unsigned char float_to_e4m3(float x) {
 #ifdef QW_CPU_EMULATION
   return qw_emu_float_to_e4m3(x);
 #else
+  // x into both bytes (the ISA puts input a in the upper, b in the lower one): the low byte
+  // is the answer whichever way round, and no constant operand is needed.
   unsigned short r;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.f), "f"(x));
-  return static_cast<unsigned char>(r & 0xffu);  // the second operand lands in the low byte
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %1;" : "=h"(r) : "f"(x));
+  return static_cast<unsigned char>(r & 0xffu);
 #endif
 }
 
