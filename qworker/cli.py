@@ -53,31 +53,41 @@ def _flag_type(annotation: Any) -> tuple[Any, list[Any] | None, bool]:
 
 
 def add_settings_flags(parser: argparse.ArgumentParser, names: Sequence[str] | None = None) -> None:
-    """Add ``--name-with-dashes`` for each settings field (all when ``names`` is None)."""
-    for name, info in WorkerSettings.model_fields.items():
-        if names is not None and name not in names:
-            continue
-        flag = "--" + name.replace("_", "-")
-        kind, choices, is_bool = _flag_type(info.annotation)
-        help_text = f"{info.description} (env QWORKER_{name.upper()}, default {info.default!r})"
-        help_text = help_text.replace("%", "%%")
-        if is_bool:
-            parser.add_argument(
-                flag,
-                dest=name,
-                action=argparse.BooleanOptionalAction,
-                default=argparse.SUPPRESS,
-                help=help_text,
-            )
-        else:
-            parser.add_argument(
-                flag,
-                dest=name,
-                type=kind,
-                choices=choices,
-                default=argparse.SUPPRESS,
-                help=help_text,
-            )
+    """Add ``--name-with-dashes`` for each settings field (all when ``names`` is None).
+
+    Flags are grouped (source and sink, kafka security, engine, worker, observability)
+    and their help gives the unit, the environment variable and the default.
+    """
+    from qworker.settings_doc import GROUPS, group_of, unit_of
+
+    groups: dict[str, Any] = {}
+    wanted = [n for n in WorkerSettings.model_fields if names is None or n in names]
+    for title in GROUPS:
+        for name in wanted:
+            if group_of(name) != title:
+                continue
+            if title not in groups:
+                groups[title] = parser.add_argument_group(f"{title} settings")
+            _add_flag(groups[title], name, unit_of(name))
+
+
+def _add_flag(group: Any, name: str, unit: str) -> None:
+    info = WorkerSettings.model_fields[name]
+    flag = "--" + name.replace("_", "-")
+    kind, choices, is_bool = _flag_type(info.annotation)
+    description = info.description or ""
+    if unit:
+        description = description.removesuffix(f" [{unit}]") + f" [{unit}]"
+    default = "unset" if info.default is None else repr(info.default)
+    help_text = f"{description} (env QWORKER_{name.upper()}, default {default})"
+    help_text = help_text.replace("%", "%%")
+    if is_bool:
+        group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
+                           default=argparse.SUPPRESS, help=help_text)
+    else:
+        group.add_argument(flag, dest=name, type=kind, choices=choices,
+                           default=argparse.SUPPRESS, help=help_text,
+                           metavar=None if choices else unit.upper() or None)
 
 
 def load_settings(args: argparse.Namespace) -> WorkerSettings:
@@ -132,6 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_batch_parsers(sub, add_settings_flags)
 
+    docs = sub.add_parser("docs", help="write the generated settings reference",
+                          description="Print (or write with -o) docs/configuration.md, "
+                          "generated from the settings model.")
+    docs.add_argument("what", choices=["configuration"], help="which document")
+    docs.add_argument("-o", "--output", help="file to write (default: stdout)")
+
     sub.add_parser("cost", help="cost estimates (see `qworker cost --help`)", add_help=False)
     return parser
 
@@ -151,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_settings_error(exc), file=sys.stderr)
         return 1
     handler = {"run": _run, "generate": _generate, "produce": produce_command,
-               "status": status_command, "collect": collect_command}
+               "status": status_command, "collect": collect_command, "docs": _docs}
     try:
         return handler[args.command](args, settings)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
@@ -210,6 +226,18 @@ def _generate(args: argparse.Namespace, settings: WorkerSettings) -> int:
         f"({stats.ok} ok, {stats.errors} errors) in {stats.elapsed:.1f}s",
         file=sys.stderr,
     )
+    return 0
+
+
+def _docs(args: argparse.Namespace, settings: WorkerSettings) -> int:
+    from qworker.settings_doc import render_configuration
+
+    text = render_configuration()
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
     return 0
 
 

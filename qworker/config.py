@@ -83,6 +83,10 @@ class WorkerSettings(EngineSettings):  # type: ignore[misc, valid-type]
         "source reports no pending work (docs/operations.md)",
     )
     metrics_port: int = Field(9400, description="Prometheus /metrics port (0 = any free port)")
+    metrics_max_batches: int = Field(
+        64, description="batches with their own qworker_batch_jobs_completed_total series "
+        "(the most recent; bounds the series count)"
+    )
     drain_seconds: float = Field(90.0, description="time given to in-flight jobs at shutdown")
     sink_outage_seconds: float = Field(
         300.0, description="how long the sink may keep failing before the worker gives up"
@@ -193,6 +197,7 @@ class WorkerSettings(EngineSettings):  # type: ignore[misc, valid-type]
 
     @field_validator(
         "max_job_bytes",
+        "metrics_max_batches",
         "max_inflight_jobs",
         "max_job_attempts",
         "sqs_visibility_timeout",

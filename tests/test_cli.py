@@ -208,3 +208,12 @@ def test_python_dash_m_qworker_shows_help() -> None:
         timeout=60,
     )
     assert "IN INPUT ORDER" in gen.stdout
+
+
+def test_version_flag_prints_the_package_version(capsys) -> None:
+    import qworker
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"qworker {qworker.__version__}"

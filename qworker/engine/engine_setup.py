@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from qworker.attention.fp8 import kv_storage_dtype
 from qworker.engine.config import EngineConfig, check_config
 from qworker.engine.kv_cache_manager import KVCacheManager
 from qworker.engine.model_runner import DEFAULT_CPU_KV_MEMORY, ModelRunner, select_backend
@@ -70,9 +71,6 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     from qworker.models.loader import load_model, load_tokenizer
 
     check_config(config)
-    if config.kv_cache_dtype != "auto":
-        raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} is not available in this "
-                         "build yet; use 'auto'")
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     if config.seed is not None:
@@ -92,7 +90,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     blocks_per_seq = -(-max_model_len // bs)
     probe_blocks = -(-min(max_model_len, config.max_num_batched_tokens) // bs) + 1
     first_blocks = config.num_kv_blocks or probe_blocks
-    runner = ModelRunner(loaded.model, spec, device, bs, first_blocks, backend)
+    kv_dtype = kv_storage_dtype(config.kv_cache_dtype, spec.dtype)
+    runner = ModelRunner(loaded.model, spec, device, bs, first_blocks, backend, kv_dtype)
     num_blocks = plan_num_blocks(config, runner, max_model_len)
     if config.num_kv_blocks is None:
         # Beyond every running sequence at full length twice over, blocks only serve the

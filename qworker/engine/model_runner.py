@@ -72,12 +72,15 @@ class ModelRunner:
         block_size: int,
         num_blocks: int,
         backend: AttentionBackend,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.spec = spec
         self.device = device
         self.block_size = block_size
         self.backend = backend
+        # the cache's element type: the model dtype, or FP8 (kv_cache_dtype, qworker.attention.fp8)
+        self.kv_dtype = kv_dtype or spec.dtype
         self.kv_cache = self._allocate(num_blocks)
         self.swap_cache: KVCache | None = None
 
@@ -85,7 +88,7 @@ class ModelRunner:
         spec = self.spec
         return KVCache.allocate(
             spec.num_layers, num_blocks, spec.num_kv_heads, self.block_size, spec.head_dim,
-            spec.dtype, self.device,
+            self.kv_dtype, self.device,
         )
 
     def reallocate_pool(self, num_blocks: int) -> None:
@@ -101,14 +104,14 @@ class ModelRunner:
             spec = self.spec
             self.swap_cache = KVCache.allocate(
                 spec.num_layers, num_blocks, spec.num_kv_heads, self.block_size, spec.head_dim,
-                spec.dtype, "cpu", pin_memory=self.device.type == "cuda",
+                self.kv_dtype, "cpu", pin_memory=self.device.type == "cuda",
             )
 
     def bytes_per_block(self) -> int:
         """Bytes one block costs across all layers, keys and values."""
         spec = self.spec
         return KVCache.bytes_per_block(
-            spec.num_layers, spec.num_kv_heads, self.block_size, spec.head_dim, spec.dtype
+            spec.num_layers, spec.num_kv_heads, self.block_size, spec.head_dim, self.kv_dtype
         )
 
     # ---- block movement ------------------------------------------------------------

@@ -115,6 +115,7 @@ class Worker:
         self.sink = sink
         self.sink_prefix = sink_prefix
         self.metrics = metrics or WorkerMetrics()
+        self.metrics.set_model(engine.model_name)
         self.drain = drain or DrainControl()
         self.admission = Admission(settings.max_inflight_jobs, settings.admission_buffer_blocks)
         self.summary = RunSummary()
@@ -556,7 +557,7 @@ class Worker:
             status = "duplicate_custom_id"
         await self.source.ack(msg)
         self.summary.completed[status] += 1
-        self.metrics.jobs_completed.labels(status=status).inc()
+        self.metrics.job_completed(status, batch_id)
         if stored is Stored.WRITTEN:
             log.info("%s -> %s", status, key, extra=ids)
 

@@ -1,4 +1,4 @@
-"""Where models are cached (qworker/models/sources.py): configurable, read-only homes, confined keys.
+"""Where models are cached (qworker/models/sources.py): configurable, read-only homes, confined.
 
 Regressions: ``s3://`` models could not load under a read-only root filesystem (the
 cache went to ``~/.cache`` and raised a raw OSError), and an S3 key such as
@@ -75,7 +75,7 @@ def test_an_s3_model_loads_with_a_read_only_home(
 
 def test_a_read_only_model_cache_given_explicitly_is_one_clear_error(tmp_path: Path) -> None:
     home = _read_only_dir(tmp_path)
-    with pytest.raises(ModelLoadError, match="not usable.*QWORKER_MODEL_CACHE") as info:
+    with pytest.raises(ModelLoadError, match=r"not usable.*QWORKER_MODEL_CACHE") as info:
         resolve_source("s3://bucket/model", cache_dir=home / "cache")
     assert "\n" not in str(info.value)
 

@@ -227,7 +227,7 @@ def test_metrics_endpoint_exposes_the_design_names(tmp_path: Path) -> None:
         assert 'qworker_jobs_completed_total{status="success"} 1.0' in text
         assert "qworker_jobs_dead_lettered_total 1.0" in text
         assert "qworker_jobs_received_total 2.0" in text
-        assert "qworker_e2e_request_latency_seconds_count 1.0" in text
+        assert 'qworker_e2e_request_latency_seconds_count{model_name="echo"} 1.0' in text
         assert "qworker_draining 1.0" in text
     finally:
         metrics.close()

@@ -1,9 +1,10 @@
 """Kafka job source: an aiokafka consumer group with manual watermark commits.
 
-Delivery (DESIGN.md): at-least-once. Offsets are committed by hand, per partition, at
-the *watermark* (``qworker.worker.offsets``): the lowest offset whose result is not
-yet in the sink. Commits happen every ``commit_interval`` seconds, before partitions
-are revoked, and on ``close``; never past unfinished work.
+Delivery (docs/formats.md, "Delivery guarantees"): at-least-once. Offsets are
+committed by hand, per partition, at the *watermark* (``qworker.worker.offsets``): the
+lowest offset whose result is not yet in the sink. Commits happen every
+``commit_interval`` seconds, before partitions are revoked, and on ``close``; never
+past unfinished work.
 
 How the pieces fit:
 

@@ -1,7 +1,7 @@
 """SQS job source: long polling, visibility heartbeats, delete only after the result is written.
 
-Delivery (DESIGN.md): at-least-once. A received message stays invisible for
-``visibility_timeout`` seconds; a heartbeat task extends the visibility of every
+Delivery (docs/formats.md, "Delivery guarantees"): at-least-once. A received message
+stays invisible for ``visibility_timeout`` seconds; a heartbeat task extends the visibility of every
 message still in flight every third of that, so a long job is never handed to a
 second worker. Heartbeat rounds run on a fixed cadence timed from their start and
 send their ChangeMessageVisibilityBatch calls (10 messages each) concurrently, so
