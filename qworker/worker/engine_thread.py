@@ -175,3 +175,19 @@ class EngineThread:
             self._loop.call_soon_threadsafe(fn, arg)
         except RuntimeError:
             log.warning("event loop closed; dropping an engine callback")
+
+
+async def watchdog(thread: EngineThread, step_timeout: float,
+                   on_failure: Callable[[str], None], interval: float = 0.5) -> None:
+    """Call ``on_failure(why)`` once, and return, when ``thread`` died or one step has run
+    longer than ``step_timeout`` seconds (0 disables that check); docs/operations.md."""
+    while True:
+        await asyncio.sleep(interval)
+        if not thread.alive:
+            on_failure("the engine thread died")
+            return
+        running = thread.step_running_for()
+        if step_timeout and running > step_timeout:
+            on_failure(f"an engine step has run for {running:.0f}s "
+                       f"(engine_step_timeout {step_timeout:.0f}s)")
+            return

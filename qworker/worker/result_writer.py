@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from qworker.schema import dumps
+from qworker.schema import conflict_key, conflict_record, dumps, result_key
 from qworker.worker.drain import DrainControl
 from qworker.worker.metrics import WorkerMetrics
 from qworker.worker.outage import Backoff, Outage
@@ -67,8 +67,10 @@ class ResultWriter:
         metrics: WorkerMetrics,
         on_exhausted: Callable[[str], None],
         backoff: Backoff | None = None,
+        prefix: str = "",
     ) -> None:
         self.sink = sink
+        self.prefix = prefix
         self.drain = drain
         self.metrics = metrics
         self.outage = Outage("sink", outage_seconds, metrics.set_problem)
@@ -81,6 +83,31 @@ class ResultWriter:
     def sink_down(self) -> bool:
         """True while the sink keeps failing: finished results wait, so take no new work."""
         return self.outage.down
+
+    async def store_result(
+        self,
+        custom_id: str,
+        batch_id: str | None,
+        record: dict[str, Any],
+        fingerprint: str | None,
+        log_extra: dict[str, Any] | None = None,
+    ) -> tuple[Stored, str]:
+        """Store one job's result line at its key (docs/formats.md, "Object keys").
+
+        Returns the outcome and the key. A key holding another request's answer gets
+        this job's ``duplicate_custom_id`` line under ``_conflicts/`` instead.
+        """
+        key = result_key(self.prefix, batch_id, custom_id)
+
+        def conflict_for(stored_fingerprint: str | None) -> Conflict:
+            assert fingerprint is not None
+            return Conflict(
+                conflict_key(self.prefix, batch_id, custom_id, fingerprint),
+                conflict_record(custom_id, batch_id, fingerprint, stored_fingerprint,
+                                record.get("metadata")),
+            )
+
+        return await self.store(key, record, fingerprint, conflict_for, log_extra), key
 
     async def store(
         self,

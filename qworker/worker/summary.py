@@ -6,6 +6,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from qworker.engine.stats import EngineStats
+
 
 @dataclass(slots=True)
 class RunSummary:
@@ -43,6 +45,14 @@ class RunSummary:
         if saturated:
             self.kv_saturated_sum += usage * dt
             self.kv_saturated_time += dt
+
+    def observe_engine(self, stats: EngineStats, dt: float, saturated: bool = False) -> None:
+        """Take one ``engine.stats()`` snapshot, ``dt`` seconds after the previous one."""
+        if stats.num_requests_running or stats.num_requests_waiting:
+            self.sample_kv(stats.kv_cache_usage_perc, dt, saturated=saturated)
+        self.prompt_tokens = stats.prompt_tokens
+        self.generation_tokens = stats.generation_tokens
+        self.num_preemptions = stats.num_preemptions
 
     @property
     def elapsed(self) -> float:

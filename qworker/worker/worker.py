@@ -21,26 +21,20 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-import math
 import time
-import uuid
 from typing import Any
 
 from qworker.config import WorkerSettings
 from qworker.engine.outputs import RequestOutput
 from qworker.errors import BatchExpiredError
-from qworker.schema import (
-    conflict_key,
-    conflict_record,
-    error_of,
-    error_record_for,
-    result_key,
-)
+from qworker.schema import error_of, error_record_for
 from qworker.worker.admission import Admission
+from qworker.worker.dead_letters import DeadLetters
 from qworker.worker.drain import DrainControl, DrainReason
-from qworker.worker.engine_thread import EngineLike, EngineThread
+from qworker.worker.engine_thread import EngineLike, EngineThread, watchdog
 from qworker.worker.exit_codes import ExitCode
-from qworker.worker.failures import SourceUnavailableError, StartupError
+from qworker.worker.failures import SourceUnavailableError
+from qworker.worker.gate import Gate
 from qworker.worker.job_table import AbortReason, InFlightJob, JobTable, ReadyJob
 from qworker.worker.metrics import WorkerMetrics
 from qworker.worker.outage import Backoff, Outage
@@ -48,15 +42,16 @@ from qworker.worker.requests import (
     Prepared,
     Unserved,
     engine_error_record,
-    expired_error,
     prepare,
     record_for,
     token_decoder,
 )
-from qworker.worker.result_writer import Conflict, ResultWriter, Stored
+from qworker.worker.result_writer import ResultWriter, Stored
 from qworker.worker.sinks.base import Sink
+from qworker.worker.source_start import Started, start_source
 from qworker.worker.sources.base import Message, Source
 from qworker.worker.spot import SpotPoller
+from qworker.worker.step_failures import StepFailures
 from qworker.worker.summary import RunSummary
 
 log = logging.getLogger(__name__)
@@ -64,20 +59,15 @@ log = logging.getLogger(__name__)
 _RECEIVE_TIMEOUT_S = 0.25
 _STATS_INTERVAL_S = 0.25
 _PROGRESS_INTERVAL_S = 10.0
-_WATCHDOG_INTERVAL_S = 0.5
 _ABORT_WAIT_S = 5.0
 _MAX_RECEIVE = 64
 _STORE_WAIT_S = 30.0  # finished results still being written (sink retries) at drain
 _PREP_WAIT_S = 10.0  # messages still being prepared at drain
-_START_CLOSE_S = 5.0  # longest wait to close a source whose start a drain cancelled
 _PENDING_CHECK_S = 1.0  # --until-idle asks the source for pending work this often
 _PENDING_TIMEOUT_S = 15.0
 _PENDING_LOG_S = 10.0
 _DRAIN_PENDING_S = 5.0
 _JUDGE_AFTER_S = 1.0  # quiet this long with only deferred jobs: judge them
-#: Failed steps in a row, beyond what bisecting the jobs and retrying the last one
-#: alone explain, before the engine counts as broken (exit 70).
-MAX_STEP_FAILURES = 3
 _SIGNALLED = (DrainReason.SIGNAL, DrainReason.SPOT)
 
 
@@ -123,20 +113,20 @@ class Worker:
         self.table = JobTable()
         self.writer = ResultWriter(
             sink, settings.sink_outage_seconds, self.drain, self.metrics,
-            on_exhausted=lambda why: self._fail(ExitCode.UNAVAILABLE, why),
+            on_exhausted=lambda why: self._fail(ExitCode.UNAVAILABLE, why), prefix=sink_prefix,
         )
         self.source_outage = Outage("source", settings.source_outage_seconds,
                                     self.metrics.set_problem)
-        self.dlq_outage = Outage("dead_letter", settings.source_outage_seconds,
-                                 self.metrics.set_problem)
+        self.dead_letters = DeadLetters(
+            source, settings.source_outage_seconds, self.drain, self.metrics, self.summary,
+            deadline=lambda: self.writer.drain_deadline,
+            on_exhausted=lambda why: self._fail(ExitCode.UNAVAILABLE, why),
+        )
         self._backoff = Backoff(first=0.2, cap=5.0)  # source, DLQ: retried at least every 5 s
         self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="qworker-prep")
         self._preparing: set[asyncio.Task[Any]] = set()
-        self._isolated: set[str] = set()  # request ids of a suspect group under test
         self._progress = asyncio.Event()
-        self._fail_streak = 0  # failed steps since a job last completed
-        self._streak_width = 1
-        self._completions = 0  # jobs the engine completed normally
+        self.failures = StepFailures(self.table, settings.max_job_attempts)
         self._kv_usage = 0.0
         self._last_activity = time.monotonic()
         self._next_pending_check = 0.0
@@ -144,6 +134,7 @@ class Worker:
         self._block_size = engine.stats().block_size
         self._decode = token_decoder(engine)
         self._thread: EngineThread | None = None
+        self.gate: Gate | None = None
         self._engine_hung = False
 
     @property
@@ -164,12 +155,16 @@ class Worker:
         self._thread = EngineThread(
             self.engine, loop, self._on_outputs, self._on_step_error, self._block_size
         )
+        self.gate = Gate(self.table, self.admission, self.engine, self._thread,
+                         self._block_size, self._record_error)
         self.source.on_revoke = self._on_revoke
         try:
             if not await self._start_source():
                 return self.summary
         except BaseException:
             self._pool.shutdown(wait=False)
+            with contextlib.suppress(Exception):
+                await self.sink.close()
             raise
         # Joining a consumer group can take seconds: that wait is not idle time.
         self._last_activity = time.monotonic()
@@ -177,7 +172,8 @@ class Worker:
         helpers = [
             asyncio.create_task(self._stats_loop()),
             asyncio.create_task(self._deadline_loop()),
-            asyncio.create_task(self._watchdog_loop()),
+            asyncio.create_task(watchdog(self._thread, self.settings.engine_step_timeout,
+                                         self._on_engine_failure)),
         ]
         if self.settings.spot_metadata_url:
             poller = SpotPoller(
@@ -209,62 +205,19 @@ class Worker:
         return self.summary
 
     async def _start_source(self) -> bool:
-        """``source.start()`` raced against a drain and retried through an outage.
-
-        False when a drain cancelled it (exit 75: the source may hold work) or the
-        source stayed unreachable for its outage budget (exit 69). A ``StartupError``
-        (missing queue or topic) propagates: exit 1.
-        """
-        attempt = 0
-        while True:
-            start = asyncio.ensure_future(self.source.start())
-            drained = asyncio.ensure_future(self.drain.draining.wait())
-            try:
-                await asyncio.wait({start, drained}, return_when=asyncio.FIRST_COMPLETED)
-            except BaseException:  # run() itself cancelled: take the start down with it
-                start.cancel()
-                raise
-            finally:
-                drained.cancel()
-            if not start.done():
-                log.warning("drain requested while the source was starting: not serving")
-                start.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await start
-                self.exit_code = ExitCode.DRAINED
-                break
-            try:
-                start.result()
-                self.source_outage.recovered()
-                return True
-            except StartupError:
-                await self._close_unstarted()
-                await self.sink.close()
-                raise
-            except Exception as exc:  # unreachable for now: retried within the budget
-                attempt += 1
-                self.source_outage.failed(exc)
-                if self.source_outage.exhausted():
-                    self._fail(ExitCode.UNAVAILABLE, f"source unreachable at start: {exc}")
-                    break
-                log.warning("source start failed (attempt %d), retrying: %s", attempt, exc)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.drain.draining.wait(),
-                                           self._backoff.delay(attempt))
-        await self._close_unstarted()
+        """``start_source``; False when the worker must stop without serving."""
+        started = await start_source(self.source, self.drain, self.source_outage,
+                                     self._backoff, self.settings.drain_seconds)
+        if started is Started.STARTED:
+            return True
+        if started is Started.UNREACHABLE:
+            self._fail(ExitCode.UNAVAILABLE, "source unreachable at start")
+        else:
+            self.exit_code = ExitCode.DRAINED  # nothing served, but the source may hold work
         await self.sink.close()
         self.summary.finished = time.monotonic()
         self.summary.drain_reason = self.drain.reason.value if self.drain.reason else None
         return False
-
-    async def _close_unstarted(self) -> None:
-        budget = min(_START_CLOSE_S, max(1.0, self.settings.drain_seconds))
-        try:
-            await asyncio.wait_for(self.source.close(), budget)
-        except TimeoutError:
-            log.warning("source did not close within %.1fs after a cancelled start", budget)
-        except Exception as exc:
-            log.warning("closing the source after a cancelled start failed: %r", exc)
 
     def _fail(self, code: ExitCode, why: str, immediate: bool = False) -> None:
         """Stop with ``code``: a graceful drain (finished work is still stored) or at once."""
@@ -292,10 +245,10 @@ class Worker:
     async def _admit_loop(self) -> None:
         until_idle = self.settings.until_idle
         while not self.drain.draining.is_set():
-            self._admit_ready()
-            room = self._room()
-            if room == 0 or self.writer.sink_down or self.dlq_outage.down:
-                # A failing sink or DLQ: finished work waits for it, so take no new work.
+            self._admit()
+            room = self.gate.room() if self.gate is not None else 0
+            if room == 0 or self.writer.sink_down:
+                # A failing sink: finished work waits for it, so take no new work.
                 await self._wait_progress(0.05 if room == 0 else 0.25)
                 continue
             msgs = await self._receive(min(room, _MAX_RECEIVE))
@@ -308,7 +261,8 @@ class Worker:
                 self._start_preparing(msgs)
             elif (self.table.deferred and self.busy == len(self.table.deferred)
                   and time.monotonic() - self._last_activity >= _JUDGE_AFTER_S):
-                self._judge_deferred()
+                for job in self.failures.judge_deferred():
+                    self._engine_error(job, "no other job was left to run beside it")
             elif (
                 until_idle is not None
                 and self.busy == 0
@@ -321,15 +275,6 @@ class Worker:
                     until_idle,
                 )
                 self.drain.request(DrainReason.IDLE)
-
-    def _room(self) -> int:
-        if self.table.ready or self.table.suspects or self._isolated:
-            return 0
-        assert self._thread is not None
-        stats = self.engine.stats()
-        # Deferred jobs wait for others to run: they must not take those others' places.
-        active = self.busy - len(self.table.deferred)
-        return self.admission.room(stats, self._thread.pending_blocks, active)
 
     async def _receive(self, max_messages: int) -> list[Message]:
         """``source.receive`` riding out an unreachable source for its outage budget."""
@@ -402,95 +347,32 @@ class Worker:
                 self.table.ready.append(ReadyJob(msg, outcome))
             elif outcome.dead_letter is not None:
                 log.warning("dead letter: %s", outcome.dead_letter, extra=_ids(None, msg))
-                self.table.spawn(self._dead_letter(msg, outcome.dead_letter))
+                self.table.spawn(self.dead_letters.send(msg, outcome.dead_letter))
             else:
                 assert outcome.record is not None
                 cid = outcome.custom_id or ""
                 log.warning("%s: not served", outcome.code, extra=_ids(cid, msg))
                 self.table.spawn(self._store(msg, cid, outcome.batch_id, outcome.record,
                                              outcome.fingerprint))
-        self._admit_ready()
+        self._admit()
 
-    # ------------------------------------------------------------ admission
-
-    def _admit_ready(self) -> None:
-        """Submit ready jobs while the KV pool can take them (see ``admission``).
-
-        Suspect jobs (from a failed step) go first, one group at a time and alone in
-        the engine, so a job that breaks steps is found by halving its group.
-        """
-        thread = self._thread
-        if thread is None or self._isolated or self.drain.draining.is_set():
-            return
-        if self.table.suspects:
-            if self.table.inflight:
-                return  # let the engine empty first: the group must run alone
-            for job in self.table.suspects.popleft():
-                rid = self._submit(job, isolated=True)
-                if rid is not None:
-                    self._isolated.add(rid)
-            return
-        while self.table.ready:
-            job = self.table.ready[0]
-            n_tokens = len(job.prepared.token_ids)
-            params = job.prepared.job.params
-            need = max(1, math.ceil(n_tokens / self._block_size))
-            step = thread.steps
-            growth = self.admission.growth(
-                n_tokens, params.max_tokens, params.n, self.engine.max_model_len, step
-            )
-            admitted = [entry.growth for entry in self.table.inflight.values()]
-            if not self.admission.fits(
-                self.engine.stats(), thread.pending_blocks, need, admitted, growth, step,
-                self._block_size,
-            ):
-                return
-            self.table.ready.popleft()
-            self._submit(job, growth=growth)
-
-    def _submit(self, job: ReadyJob, growth: Any = None, isolated: bool = False) -> str | None:
-        assert self._thread is not None
-        msg, prepared = job.msg, job.prepared
-        spec = prepared.job
-        expired = expired_error(spec)
-        if expired is not None:
-            self._record_error(job, expired)
-            return None
-        n_tokens = len(prepared.token_ids)
-        if growth is None:
-            growth = self.admission.growth(n_tokens, spec.params.max_tokens, spec.params.n,
-                                           self.engine.max_model_len, self._thread.steps)
-        request_id = uuid.uuid4().hex
-        try:
-            self._thread.submit(request_id, prepared.text, prepared.token_ids, spec.params,
-                                msg.received_at)
-        except Exception as exc:  # any rejection becomes the job's record
-            self._record_error(job, exc)
-            return None
-        self.admission.observe_prompt(n_tokens, self._block_size)
-        self.table.admit(job, request_id, growth)
-        self.admission.admitted(growth, self._block_size)
-        self.metrics.inflight.set(self.busy)
-        log.debug("admitted as %s%s", request_id, " (alone, after a failed step)" if isolated
-                  else "", extra=_ids(spec.custom_id, msg))
-        return request_id
+    def _admit(self) -> None:
+        if self.gate is not None and not self.drain.draining.is_set():
+            self.gate.admit()
+            self.metrics.inflight.set(self.busy)
 
     # ------------------------------------------------------------ results
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        assert self.gate is not None
         for out in outputs:
             entry = self.table.finish(out.request_id)
             if entry is None:
                 continue  # abandoned after a failed step: already back at the gate
-            self._isolated.discard(out.request_id)
-            self.admission.released(entry.growth, self._block_size)
+            self.gate.released(out.request_id, entry.growth)
             self.metrics.observe_output(out)
             if entry.abort_reason is None and out.error is None:
-                self._completions += 1  # the engine works: a failure streak is over
-                self._fail_streak = 0
-                if self.table.deferred:  # the proof they waited for: test them again
-                    self.table.suspects.extend([job] for job in self.table.deferred)
-                    self.table.deferred = []
+                self.failures.completed()  # the engine works: a failure streak is over
             self._complete(entry, out)
         self._last_activity = time.monotonic()
         self._progress.set()
@@ -525,25 +407,11 @@ class Worker:
 
     async def _store(self, msg: Message, custom_id: str, batch_id: str | None,
                      record: dict[str, Any], fingerprint: str | None) -> None:
-        """Write the record, then ack; a record that cannot be stored is never acked.
-
-        A key that already holds another request's answer (a different fingerprint)
-        gets this job's ``duplicate_custom_id`` record under ``_conflicts/`` instead:
-        the stored answer is kept, and nothing is replaced silently.
-        """
-        key = result_key(self.sink_prefix, batch_id, custom_id)
+        """Write the record (``ResultWriter.store_result``), then ack; never ack unstored."""
         ids = _ids(custom_id, msg)
         status = _status(record)
-
-        def conflict_for(stored_fingerprint: str | None) -> Conflict:
-            assert fingerprint is not None
-            return Conflict(
-                conflict_key(self.sink_prefix, batch_id, custom_id, fingerprint),
-                conflict_record(custom_id, batch_id, fingerprint, stored_fingerprint,
-                                record.get("metadata")),
-            )
-
-        stored = await self.writer.store(key, record, fingerprint, conflict_for, ids)
+        stored, key = await self.writer.store_result(custom_id, batch_id, record, fingerprint,
+                                                     ids)
         if stored is Stored.UNSTORED:
             self.summary.abandoned += 1
             await self.source.abandon(msg)
@@ -561,55 +429,15 @@ class Worker:
         if stored is Stored.WRITTEN:
             log.info("%s -> %s", status, key, extra=ids)
 
-    async def _dead_letter(self, msg: Message, reason: str) -> None:
-        """Dead-letter ``msg``, retried through a failing DLQ; never dropped, never acked around.
-
-        Given up (the message abandoned, redelivered later) only when the drain runs out
-        or the DLQ has failed for the source outage budget (then exit 69).
-        """
-        attempt = 0
-        while True:
-            try:
-                await self.source.dead_letter(msg, reason)
-                break
-            except Exception as exc:
-                attempt += 1
-                now = time.monotonic()
-                self.dlq_outage.failed(exc, now)
-                deadline = self.writer.drain_deadline
-                exhausted = self.dlq_outage.exhausted(now)
-                if exhausted or self.drain.immediate.is_set() or (
-                        deadline is not None and now >= deadline):
-                    log.error("dead letter not sent, message left unacked: %s", exc,
-                              extra=_ids(None, msg))
-                    self.summary.abandoned += 1
-                    await self.source.abandon(msg)
-                    if exhausted:
-                        self._fail(ExitCode.UNAVAILABLE, f"dead-letter target failing for "
-                                   f"{self.dlq_outage.down_for(now):.0f}s: {exc}")
-                    return
-                delay = self._backoff.delay(attempt)
-                if deadline is not None:
-                    delay = max(0.0, min(delay, deadline - now))
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.drain.immediate.wait(), delay)
-        self.dlq_outage.recovered()
-        self.summary.dead_lettered += 1
-        self.metrics.jobs_dead_lettered.inc()
-
     # ------------------------------------------------------------ engine failures
 
     def _on_step_error(self, exc: BaseException) -> None:
-        """A step raised: its jobs go back through the gate, bisected; see the module."""
-        assert self._thread is not None
+        """A step raised: its jobs go back through the gate (``step_failures``)."""
+        assert self._thread is not None and self.gate is not None
         entries = self.table.take_all_inflight()
-        if self._fail_streak == 0:
-            self._streak_width = max(1, len(entries))
-        self._fail_streak += 1
-        self._isolated.clear()
         group: list[ReadyJob] = []
         for entry in entries:
-            self.admission.released(entry.growth, self._block_size)
+            self.gate.released(entry.request_id, entry.growth)
             self._thread.abort(entry.request_id)  # its output, if any, is ignored
             reason = entry.abort_reason
             if reason is AbortReason.DRAIN:
@@ -622,77 +450,31 @@ class Worker:
             elif reason is not AbortReason.REVOKED:
                 group.append(entry.ready)
         self.summary.step_failures += 1
+        for job in self.failures.failed(group, len(entries)):
+            self._engine_error(job, exc)
         log.error("engine step failed (%d in a row, %d jobs sent back): %s",
-                  self._fail_streak, len(group), exc)
-        self._requeue_suspects(group, exc)
-        limit = (MAX_STEP_FAILURES + math.ceil(math.log2(self._streak_width))
-                 + self.settings.max_job_attempts)
-        if self._fail_streak >= limit:
+                  self.failures.streak, len(group), exc)
+        if self.failures.broken:
             self.metrics.set_problem("engine", True)
-            self._fail(ExitCode.ENGINE, f"engine failed {self._fail_streak} steps in a row",
+            self._fail(ExitCode.ENGINE, f"engine failed {self.failures.streak} steps in a row",
                        immediate=True)
         self._thread.resume()  # the aborts above are queued: the next step drops them
         self._progress.set()
 
-    def _requeue_suspects(self, group: list[ReadyJob], exc: BaseException) -> None:
-        if len(group) > 1:
-            half = len(group) // 2
-            self.table.suspects.appendleft(group[half:])
-            self.table.suspects.appendleft(group[:half])
-            return
-        if not group:
-            return
-        job = group[0]
-        prepared = job.prepared
-        if prepared.solo_failures == 0:
-            prepared.completions_seen = self._completions
-        prepared.solo_failures += 1
-        attempts = prepared.solo_failures
-        if attempts < self.settings.max_job_attempts:
-            self.table.suspects.appendleft([job])
-            return
-        if self._completions == prepared.completions_seen:
-            # No other job completed since this one first failed alone: the engine itself
-            # may be broken. Let other jobs run first (a completion brings it back); if
-            # they fail too, that is exit 70; if there are none, see _judge_deferred.
-            self.table.deferred.append(job)
-            return
-        self._engine_error(job, attempts, exc)
-
-    def _engine_error(self, job: ReadyJob, attempts: int, exc: BaseException | str) -> None:
-        spec = job.prepared.job
+    def _engine_error(self, job: ReadyJob, exc: BaseException | str) -> None:
+        spec, attempts = job.prepared.job, job.prepared.solo_failures
         log.error("job failed the engine alone %d times: engine_error", attempts,
                   extra=_ids(spec.custom_id, job.msg))
         record = engine_error_record(spec, f"the engine failed on this request {attempts} "
                                      f"times when run alone: {exc}")
-        job.prepared.solo_failures = 0
         self.table.spawn(self._store(job.msg, spec.custom_id, spec.batch_id, record,
                                      job.prepared.fingerprint))
 
-    def _judge_deferred(self) -> None:
-        """Nothing else left to run: jobs that failed alone get their engine_error now."""
-        jobs, self.table.deferred = self.table.deferred, []
-        for job in jobs:
-            self._engine_error(job, job.prepared.solo_failures,
-                               "no other job was left to run beside it")
-
-    async def _watchdog_loop(self) -> None:
-        """Exit 70 when the engine thread died or one step runs past ``engine_step_timeout``."""
-        assert self._thread is not None
-        limit = self.settings.engine_step_timeout
-        while True:
-            await asyncio.sleep(_WATCHDOG_INTERVAL_S)
-            if not self._thread.alive:
-                why = "the engine thread died"
-            elif limit and self._thread.step_running_for() > limit:
-                self._engine_hung = True
-                why = (f"an engine step has run for {self._thread.step_running_for():.0f}s "
-                       f"(engine_step_timeout {limit:.0f}s)")
-            else:
-                continue
-            self.metrics.set_problem("engine", True)
-            self._fail(ExitCode.ENGINE, why, immediate=True)
-            return
+    def _on_engine_failure(self, why: str) -> None:
+        """The watchdog's verdict: a hung step or a dead engine thread (exit 70)."""
+        self._engine_hung = True
+        self.metrics.set_problem("engine", True)
+        self._fail(ExitCode.ENGINE, why, immediate=True)
 
     # ------------------------------------------------------------ events
 
@@ -754,13 +536,7 @@ class Worker:
         self.metrics.update_engine(stats)
         self.metrics.inflight.set(self.busy)
         self.metrics.uncommitted.set(self.source.uncommitted_count())
-        if stats.num_requests_running or stats.num_requests_waiting:
-            self.summary.sample_kv(
-                stats.kv_cache_usage_perc, dt, saturated=bool(self.table.ready)
-            )
-        self.summary.prompt_tokens = stats.prompt_tokens
-        self.summary.generation_tokens = stats.generation_tokens
-        self.summary.num_preemptions = stats.num_preemptions
+        self.summary.observe_engine(stats, dt, saturated=bool(self.table.ready))
 
     # ------------------------------------------------------------ drain
 
@@ -777,7 +553,6 @@ class Worker:
         for job in self.table.take_waiting():
             self.summary.abandoned += 1
             await self.source.abandon(job.msg)
-        self._isolated.clear()
         if self.table.inflight and not immediate.is_set():
             log.info("draining: %d jobs in flight, up to %.0fs", len(self.table.inflight),
                      self.settings.drain_seconds)
