@@ -218,3 +218,24 @@ def test_a_kafka_broker_outage_past_the_budget_exits_69(tmp_path: Path) -> None:
     assert set(read_results(tmp_path / "out")) == {"k0", "k1", "k2"}
     assert worker.exit_code == 69
     assert ended - killed_at < 30
+
+
+def test_a_source_that_cannot_go_on_exits_69_at_once(tmp_path: Path) -> None:
+    # What the Kafka source raises for a batch it cannot decode (KafkaDecodeError): no
+    # retries, no waiting out the outage budget.
+    from qworker.worker.failures import SourceUnavailableError
+    from qworker.worker.sources.file import FileSource
+    from tests.worker.jobs import write_spool
+
+    class Undecodable(SourceUnavailableError):
+        fatal = True
+
+    class _Source(FileSource):
+        async def receive(self, max_messages: int, timeout: float) -> list:
+            raise Undecodable("cannot decode a batch: unknown codec 7")
+
+    spool = write_spool(tmp_path / "jobs.jsonl", [chat_job("x")])
+    worker, took = asyncio.run(_serve(
+        _settings(tmp_path, f"file://{spool}", until_idle=None), _Source(spool),
+        tmp_path / "out"))
+    assert worker.exit_code == 69 and took < 5
