@@ -17,9 +17,10 @@ Workloads (``--workload``):
   pool that limits concurrency, and peak KV blocks in a pool roomy enough for all.
 * ``all``: the three in turn.
 
-The model defaults to a random Llama built here (``--preset``: ``tiny`` ~16M parameters
-for CPU, ``small`` ~110M for GPU). Prints a table and one JSON line per workload
-(``--out`` also writes them to a file). Never asserts on speed.
+The model defaults to a random Llama built here (``--preset``: ``mini`` 4 layers of
+hidden 256 (~6M parameters), ``tiny`` ~16M parameters for CPU, ``small`` ~110M for
+GPU). Prints a table and one JSON line per workload (``--out`` also writes them to a
+file). Never asserts on speed.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ from qworker.engine.engine import Engine
 from qworker.engine.sampling_params import SamplingParams
 
 PRESETS: dict[str, dict[str, Any]] = {
+    "mini": {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 8192},
     "tiny": {"hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 6,
              "num_attention_heads": 6, "num_key_value_heads": 2, "vocab_size": 8192},
     "small": {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12,

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from qworker.attention.backend import AttentionBackend, AttentionMetadata, KVCache
+from qworker.attention.paged_attention import bind_kv_cache, forward_context
 from qworker.attention.torch_ref import TorchAttentionBackend
 from qworker.models.base import CausalLM, ModelSpec
 
@@ -79,6 +80,7 @@ class ModelRunner:
         self.block_size = block_size
         self.backend = backend
         self.kv_cache = self._allocate(num_blocks)
+        bind_kv_cache(model, self.kv_cache, backend)
         self.swap_cache: KVCache | None = None
 
     def _allocate(self, num_blocks: int) -> KVCache:
@@ -94,6 +96,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.kv_cache = self._allocate(num_blocks)
+        bind_kv_cache(self.model, self.kv_cache, self.backend)
 
     def attach_swap_pool(self, num_blocks: int) -> None:
         """Allocate the host pool swapped-out blocks go to (pinned next to a GPU)."""
@@ -183,7 +186,8 @@ class ModelRunner:
     def execute(self, step: StepInput) -> torch.Tensor | None:
         """Run one forward; return fp32 logits of the sampling rows, in order (or None)."""
         input_ids, positions, meta = self.build(step)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta, self.backend)
+        with forward_context(meta):
+            hidden = self.model(input_ids, positions)
         rows = [i for i, s in enumerate(step.sample) if s]
         if not rows:
             return None
