@@ -80,6 +80,9 @@ class AttentionMetadata:
     ``slot_mapping`` is -1 for padding tokens, whose K/V must not be written.
     ``max_query_len`` and ``max_seq_len`` are Python ints for launch sizing.
     ``sliding_window`` (tokens, or None) limits how far back a query may attend.
+    ``query_start_loc_cpu`` / ``seq_lens_cpu``, when set, are host copies of those two
+    tensors (the runner has them anyway), so a backend never reads device tensors back
+    inside the forward.
     """
 
     num_seqs: int
@@ -92,6 +95,8 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     sliding_window: int | None = None
+    query_start_loc_cpu: list[int] | None = None
+    seq_lens_cpu: list[int] | None = None
 
 
 class AttentionBackend(ABC):

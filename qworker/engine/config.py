@@ -19,7 +19,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 PREEMPTION_MODES = ("recompute", "swap")
-ATTENTION_BACKENDS = ("auto", "torch", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "cuda")
 BLOCK_SIZES = (8, 16, 32)
 
 
@@ -76,7 +76,8 @@ class EngineConfig:
     swap_space: int = knob(4 << 30, "host memory for swapped-out KV blocks (swap mode)",
                            unit="bytes")
     attention_backend: str = knob(
-        "auto", "attention implementation; auto = cuda kernels on GPU, batched torch on CPU",
+        "auto", "attention implementation; auto = cuda kernels on GPU, batched cpu backend "
+        "elsewhere; torch = the per-sequence reference",
         choices=ATTENTION_BACKENDS)
     kv_cache_dtype: str = knob(
         "auto", "KV cache element type; auto = dtype, fp8_e4m3 = per-tensor scaled FP8 "

@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 
+from qworker.attention.select import select_backend
 from qworker.engine.config import EngineConfig, check_config
 from qworker.engine.kv_cache_manager import KVCacheManager
-from qworker.engine.model_runner import DEFAULT_CPU_KV_MEMORY, ModelRunner, select_backend
+from qworker.engine.model_runner import DEFAULT_CPU_KV_MEMORY, ModelRunner
 from qworker.engine.output_processor import OutputProcessor
 from qworker.engine.sampler import Sampler
 from qworker.engine.scheduler import Scheduler

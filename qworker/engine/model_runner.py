@@ -19,34 +19,11 @@ import torch
 
 from qworker.attention.backend import AttentionBackend, AttentionMetadata, KVCache
 from qworker.attention.paged_attention import bind_kv_cache, forward_context
-from qworker.attention.torch_ref import TorchAttentionBackend
 from qworker.models.base import CausalLM, ModelSpec
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_MEMORY = 1 << 30
-
-
-def select_backend(name: str, device: torch.device) -> AttentionBackend:
-    """The attention backend for ``name`` ("auto" | "torch" | "cuda") on ``device``.
-
-    "auto" is the CUDA backend on a GPU when it imports, else the torch reference.
-    """
-    if name not in ("auto", "torch", "cuda"):
-        raise ValueError(f"attention_backend must be 'auto', 'torch' or 'cuda', got {name!r}")
-    if name == "torch" or (name == "auto" and device.type != "cuda"):
-        return TorchAttentionBackend()
-    if device.type != "cuda":
-        raise ValueError("attention_backend='cuda' needs device='cuda'")
-    try:
-        from qworker.attention.cuda_backend import CudaAttentionBackend
-
-        return CudaAttentionBackend()
-    except Exception as exc:  # any import/compile failure: the reference still works
-        if name == "cuda":
-            raise
-        logger.warning("CUDA attention backend unavailable (%s); using the torch reference", exc)
-        return TorchAttentionBackend()
 
 
 @dataclass(slots=True)
