@@ -1,18 +1,25 @@
-"""Batched paged attention for the CPU: every sequence of a step in one attention call.
+"""Batched paged attention for the CPU: all of a step's decodes in one attention call.
 
 The torch reference (``torch_ref.py``) loops over sequences in Python, which is most of
-a CPU step on small models. Here each layer makes at most two attention calls per step,
-one for all decodes and one for all prefill chunks: the step's contexts are gathered
-from the pool with one ``index_select`` per K and V (blocks named by the block table,
-padded to the longest context of the group), and a boolean mask built once per step
-(per sliding window) hides padding, future tokens and what falls outside a window.
-Padding query rows of the prefill group repeat their sequence's last row and are
-dropped. Softmax and accumulation run in fp32 (inputs of other dtypes are upcast),
-as the backend contract asks (``qworker/attention/backend.py``).
+a CPU step on small models. Here every decode of a step is attended in one pass per
+layer, straight over the pages, with no padding of keys and values:
 
-Everything derived from the step's metadata (gather indices, masks, row maps) is
-computed at the first layer and reused by the others; nothing reads tensor values
-back into Python during the forward.
+* the blocks of every decoding sequence are gathered with one ``index_select`` per K
+  and V (``[N, heads, block_size, D]``, N = the step's decode blocks, only those a
+  sliding window can still see);
+* one batched matmul scores each block against its sequence's query rows;
+* the softmax runs over each sequence's blocks (the per-block maxima meet in a small
+  padded ``[S, max_blocks]`` layout);
+* one batched matmul applies the probabilities to each block's values, and an
+  ``index_add_`` sums the blocks of each sequence.
+
+Prefill chunks (a few per step, long queries) go through torch SDPA over their
+gathered context (``qworker.attention.sdpa_prefill``), FlashAttention-style on CPU.
+Everything derived from the step's metadata (block lists, masks, row maps) is built
+at the first layer and reused by the others (per sliding window); nothing reads
+device tensors back during the forward when the runner supplies the host copies of
+``query_start_loc``/``seq_lens``. Softmax and accumulation run in fp32, as the
+backend contract asks (``qworker/attention/backend.py``).
 """
 
 from __future__ import annotations
@@ -20,56 +27,98 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from qworker.attention.backend import AttentionBackend, AttentionMetadata, KVCache
+from qworker.attention.sdpa_prefill import sdpa_prefill
 from qworker.attention.torch_ref import TorchAttentionBackend
 
 
 @dataclass(slots=True)
-class _Group:
-    """One attention call: ``num_seqs`` sequences padded to ``q_len`` x ``ctx_len``."""
+class _DecodePlan:
+    """The step's decodes as a flat list of ``N`` blocks (see the module docstring)."""
 
-    block_rows: torch.Tensor  # int64 [num_seqs * num_blocks] block ids to gather
+    blocks: torch.Tensor  # int64 [N] block ids, each sequence's blocks in order
+    block_seq: torch.Tensor  # int64 [N] which decode each block belongs to
+    pad_index: torch.Tensor  # int64 [N] row of each block in the [S * max_blocks] layout
+    dead: torch.Tensor  # bool [N, 1, 1, B]: slot empty, in the future or out of window
+    last: torch.Tensor  # int64 [S] each sequence's last block (its only partial one)
+    last_live: torch.Tensor  # bool [S, 1, B, 1]: slots of that block holding tokens
     num_seqs: int
-    num_blocks: int
-    mask: torch.Tensor  # bool [num_seqs, 1, q_len, num_blocks * block_size], True = attend
-    live: torch.Tensor  # bool [num_seqs, 1, num_blocks, block_size, 1]: slot holds a token
-    q_index: torch.Tensor | None  # int64 [num_seqs, q_len] query rows (None: decodes)
-    out_index: torch.Tensor | None  # int64 [n] flat padded rows holding real tokens
-    out_rows: slice | torch.Tensor  # where those rows go in the step's output
+    max_blocks: int
 
 
 @dataclass(slots=True)
 class _Plan:
-    groups: list[_Group]
+    decode: _DecodePlan | None
+    starts: list[int]
+    lens: list[int]
 
 
-def _live(seq_lens: torch.Tensor, num_blocks: int, block_size: int) -> torch.Tensor:
-    """[S, 1, num_blocks, block_size, 1]: which gathered slots hold one of the sequence's
-    tokens (the rest is padding or stale data and is zeroed, so a non-finite value left
-    in a free block cannot reach the output through a masked-out position)."""
-    pos = torch.arange(num_blocks * block_size).view(1, 1, num_blocks, block_size, 1)
-    return pos < seq_lens.view(-1, 1, 1, 1, 1)
-
-
-def _causal_mask(k_len: int, seq_lens: torch.Tensor, q_pos: torch.Tensor,
-                 window: int | None) -> torch.Tensor:
-    """[S, 1, Q, k_len]: key ``j`` visible to query position ``q_pos[s, r]``."""
-    k_pos = torch.arange(k_len).view(1, 1, k_len)
-    q = q_pos.unsqueeze(2)
-    mask = (k_pos <= q) & (k_pos < seq_lens.view(-1, 1, 1))
+def _decode_plan(tables: torch.Tensor, lens: list[int], block_size: int,
+                 window: int | None) -> _DecodePlan:
+    """Block lists, masks and row maps of ``len(lens)`` decodes (host ints in ``lens``)."""
+    num_seqs = len(lens)
+    last_block = [(n - 1) // block_size for n in lens]
+    first_block = [0] * num_seqs
+    if window is not None:  # blocks wholly before the window are never read
+        first_block = [max(0, n - window) // block_size for n in lens]
+    counts = [b - a + 1 for a, b in zip(first_block, last_block, strict=True)]
+    max_blocks = max(counts)
+    counts_t = torch.tensor(counts)
+    block_seq = torch.repeat_interleave(torch.arange(num_seqs), counts_t)
+    offsets = torch.cumsum(counts_t, 0) - counts_t  # first flat row of each sequence
+    j = torch.arange(int(block_seq.shape[0])) - offsets[block_seq]  # block number within
+    col = torch.tensor(first_block)[block_seq] + j
+    blocks = tables[block_seq, col].to(torch.int64)
+    pos = col.view(-1, 1) * block_size + torch.arange(block_size).view(1, -1)
+    seq_len = torch.tensor(lens)[block_seq].view(-1, 1)
+    dead = pos >= seq_len
     if window is not None:
-        mask &= k_pos > q - window
-    return mask.unsqueeze(1)
+        dead |= pos <= seq_len - 1 - window
+    fill = torch.tensor([n - b * block_size for n, b in zip(lens, last_block, strict=True)])
+    last_live = torch.arange(block_size).view(1, -1) < fill.view(-1, 1)
+    return _DecodePlan(
+        blocks=blocks, block_seq=block_seq, pad_index=block_seq * max_blocks + j,
+        dead=dead.view(-1, 1, 1, block_size), last=offsets + counts_t - 1,
+        last_live=last_live.view(num_seqs, 1, block_size, 1), num_seqs=num_seqs,
+        max_blocks=max_blocks)
+
+
+def _decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+            plan: _DecodePlan, scale: float, out: torch.Tensor) -> None:
+    """Attention of the first ``plan.num_seqs`` query rows (one per decode) into ``out``."""
+    num_seqs, heads, dim = plan.num_seqs, key_cache.shape[1], key_cache.shape[3]
+    group = query.shape[1] // heads
+    fp32 = torch.float32
+    k = key_cache.index_select(0, plan.blocks)  # [N, H, B, D]
+    v = value_cache.index_select(0, plan.blocks)
+    if k.dtype != fp32:
+        k, v = k.to(fp32), v.to(fp32)
+    # Empty slots of a sequence's last block may hold anything (a freed block's old
+    # content): zero them so that probability 0 times a non-finite value cannot occur.
+    v.index_copy_(0, plan.last, torch.where(plan.last_live, v.index_select(0, plan.last),
+                                            v.new_zeros(())))
+    q = query[:num_seqs].to(fp32).view(num_seqs, heads, group, dim)
+    scores = torch.matmul(q.index_select(0, plan.block_seq), k.transpose(-1, -2))
+    scores.mul_(scale).masked_fill_(plan.dead, float("-inf"))  # [N, H, G, B]
+    # Softmax over each sequence's blocks: per-block maxima, their per-sequence maximum
+    # (through a small [S, max_blocks] layout), then unnormalised weights and sums.
+    block_max = scores.amax(dim=-1)  # [N, H, G]
+    padded = block_max.new_full((num_seqs * plan.max_blocks, heads, group), float("-inf"))
+    padded.index_copy_(0, plan.pad_index, block_max)
+    top = padded.view(num_seqs, plan.max_blocks, heads, group).amax(dim=1)  # [S, H, G]
+    weights = torch.exp(scores - top.index_select(0, plan.block_seq).unsqueeze(-1))
+    total = weights.new_zeros((num_seqs, heads, group))
+    total.index_add_(0, plan.block_seq, weights.sum(dim=-1))
+    acc = weights.new_zeros((num_seqs, heads, group, dim))
+    acc.index_add_(0, plan.block_seq, torch.matmul(weights, v))  # per block [N, H, G, D]
+    acc /= total.unsqueeze(-1)
+    out[:num_seqs] = acc.view(num_seqs, heads * group, dim).to(out.dtype)
 
 
 class CpuAttentionBackend(AttentionBackend):
-    """Paged attention with one batched SDPA call per sequence group (decodes, prefills).
-
-    Runs on any device torch supports but is meant for the CPU: its padding and
-    masking trade FLOPs for fewer, larger ops, which is the right trade there.
-    """
+    """Paged attention with every decode of a step in one batched pass per layer and
+    prefill chunks through SDPA. Runs on any device torch supports; built for the CPU."""
 
     name = "cpu"
 
@@ -106,47 +155,11 @@ class CpuAttentionBackend(AttentionBackend):
         lens = meta.seq_lens_cpu
         if starts is None or lens is None:
             starts, lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
-        tables = meta.block_tables.to(torch.int64)
-        groups: list[_Group] = []
-        nd = meta.num_decodes
-        window = meta.sliding_window
-        if nd:
-            max_len = max(lens[:nd])
-            nb = -(-max_len // block_size)
-            seq_lens = torch.tensor(lens[:nd])
-            mask = _causal_mask(nb * block_size, seq_lens, (seq_lens - 1).view(nd, 1), window)
-            groups.append(_Group(tables[:nd, :nb].reshape(-1), nd, nb, mask,
-                                 _live(seq_lens, nb, block_size), None, None, slice(0, nd)))
-        num_prefills = meta.num_seqs - nd
-        if num_prefills:
-            q_lens = [starts[s + 1] - starts[s] for s in range(nd, meta.num_seqs)]
-            p_lens = lens[nd:]
-            q_max, max_len = max(q_lens), max(p_lens)
-            nb = -(-max_len // block_size)
-            r = torch.arange(q_max).view(1, q_max)
-            q_len_t = torch.tensor(q_lens).view(-1, 1)
-            seq_lens = torch.tensor(p_lens)
-            rr = torch.minimum(r, q_len_t - 1)  # padding rows repeat the last real row
-            q_index = torch.tensor(starts[nd:-1]).view(-1, 1) + rr
-            q_pos = seq_lens.view(-1, 1) - q_len_t + rr
-            mask = _causal_mask(nb * block_size, seq_lens, q_pos, window)
-            real = (r < q_len_t).reshape(-1).nonzero().squeeze(1)
-            groups.append(_Group(tables[nd:meta.num_seqs, :nb].reshape(-1), num_prefills, nb,
-                                 mask, _live(seq_lens, nb, block_size), q_index, real,
-                                 slice(starts[nd], starts[-1])))
-        return _Plan(groups)
-
-    def _gather(self, cache: torch.Tensor, group: _Group, dtype: torch.dtype) -> torch.Tensor:
-        _, heads, block_size, dim = cache.shape
-        blocks = cache.index_select(0, group.block_rows)
-        blocks = blocks.view(group.num_seqs, group.num_blocks, heads, block_size, dim)
-        if blocks.dtype != dtype:
-            blocks = blocks.to(dtype)
-        # One pass both reorders to [S, heads, tokens, D] and zeroes the dead slots.
-        ctx = torch.empty((group.num_seqs, heads, group.num_blocks, block_size, dim),
-                          dtype=dtype, device=cache.device)
-        torch.where(group.live, blocks.transpose(1, 2), blocks.new_zeros(()), out=ctx)
-        return ctx.view(group.num_seqs, heads, -1, dim)
+        decode = None
+        if meta.num_decodes:
+            decode = _decode_plan(meta.block_tables, lens[: meta.num_decodes], block_size,
+                                  meta.sliding_window)
+        return _Plan(decode, starts, lens)
 
     def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -154,30 +167,24 @@ class CpuAttentionBackend(AttentionBackend):
         block_size = key_cache.shape[2]
         if self._step is not meta.slot_mapping:
             self._step, self._plans = meta.slot_mapping, {}
-        plan = self._plans.get((meta.sliding_window, block_size))
+        key = (meta.sliding_window, block_size)
+        plan = self._plans.get(key)
         if plan is None:
-            plan = self._build_plan(meta, block_size)
-            self._plans[(meta.sliding_window, block_size)] = plan
-        dtype = torch.float32
+            plan = self._plans[key] = self._build_plan(meta, block_size)
         out = torch.empty_like(query)
-        heads_per_kv = query.shape[1] // key_cache.shape[1]
-        for group in plan.groups:
-            k = self._gather(key_cache, group, dtype)
-            v = self._gather(value_cache, group, dtype)
-            if group.q_index is None:
-                q = query[group.out_rows].unsqueeze(2)  # [S, Hq, 1, D]
+        if plan.decode is not None:
+            _decode(query, key_cache, value_cache, plan.decode, scale, out)
+        if meta.num_decodes < meta.num_seqs:
+            if key_cache.dtype != torch.float32:  # the contract's fp32 softmax/accumulation
+                out32 = out.float()
+                sdpa_prefill(query.float(), key_cache, value_cache, meta.block_tables,
+                             plan.starts, plan.lens, meta.num_decodes, scale, out32,
+                             meta.sliding_window)
+                first = plan.starts[meta.num_decodes]
+                out[first:] = out32[first:].to(out.dtype)
             else:
-                q = query[group.q_index].transpose(1, 2)  # [S, Hq, Q, D]
-            if q.dtype != dtype:
-                q = q.to(dtype)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale,
-                                               enable_gqa=heads_per_kv > 1)
-            o = o.transpose(1, 2)  # [S, Q, Hq, D]
-            if group.out_index is None:
-                out[group.out_rows] = o.squeeze(1).to(out.dtype)
-            else:
-                flat = o.reshape(-1, o.shape[2], o.shape[3])
-                out[group.out_rows] = flat.index_select(0, group.out_index).to(out.dtype)
+                sdpa_prefill(query, key_cache, value_cache, meta.block_tables, plan.starts,
+                             plan.lens, meta.num_decodes, scale, out, meta.sliding_window)
         return out
 
     # ---- block movement (plain torch, as the reference) -------------------------------
