@@ -14,8 +14,6 @@ import threading
 import time
 from typing import Any
 
-import torch
-
 from qworker.engine.config import EngineConfig, served_model_name
 from qworker.engine.detokenizer import start_offsets
 from qworker.engine.engine_setup import EngineParts, build_engine_parts
@@ -218,34 +216,30 @@ class Engine:
         order = sorted(range(len(seqs)), key=lambda i: num_new[i] != 1)  # decodes first
         seqs = [seqs[i] for i in order]
         num_new = [num_new[i] for i in order]
-        sample = [s.num_computed_tokens + n == s.num_tokens for s, n in zip(seqs, num_new,
-                                                                             strict=True)]
+        kv = self.kv
+        sample = [self._rows_to_sample(s, n) for s, n in zip(seqs, num_new, strict=True)]
         step = StepInput(
             token_chunks=[s.token_ids[s.num_computed_tokens : s.num_computed_tokens + n]
                           for s, n in zip(seqs, num_new, strict=True)],
             num_computed=[s.num_computed_tokens for s in seqs],
-            block_tables=[self.kv.block_ids(s.seq_id) for s in seqs],
+            block_tables=[kv.block_ids(s.seq_id) for s in seqs],
             sample=sample,
+            table_keys=[kv.table_key(s.seq_id) for s in seqs],
         )
         logits = runner.execute(step)
         now = time.time()
-        rows: list[int] = []
         sampling: list[Sequence] = []
-        num_logit_rows = 0
-        for seq, n, samples in zip(seqs, num_new, sample, strict=True):
+        for seq, n, rows in zip(seqs, num_new, sample, strict=True):
             seq.num_computed_tokens += n
-            self.kv.cache_full_blocks(seq)
+            kv.cache_full_blocks(seq)
             if seq.request.metrics.first_scheduled_time is None:
                 seq.request.metrics.first_scheduled_time = now
-            if samples:
-                rows.append(num_logit_rows)
+            if rows:
                 sampling.append(seq)
-                self._fork_siblings(seq, num_logit_rows, rows, sampling)
-                num_logit_rows += 1
+                if rows > 1:
+                    self._fork_siblings(seq, sampling)
         if logits is None or not sampling:
             return
-        if len(rows) != logits.shape[0]:
-            logits = logits[torch.tensor(rows, device=logits.device)]
         result = self.sampler.sample(logits, sampling)
         for i, seq in enumerate(sampling):
             request = seq.request
@@ -263,19 +257,25 @@ class Engine:
                     request.metrics.finished_time = time.time()
                     finished.append(request)
 
-    def _fork_siblings(self, seq: Sequence, row: int, rows: list[int],
-                       sampling: list[Sequence]) -> None:
-        """At a request's first sample, create its other ``n - 1`` sequences sharing blocks."""
+    @staticmethod
+    def _rows_to_sample(seq: Sequence, num_new: int) -> int:
+        """Logits rows ``seq`` samples this step: 0 mid-prompt, ``n`` at a request's first
+        token when its siblings are forked now, else 1."""
+        if seq.num_computed_tokens + num_new != seq.num_tokens:
+            return 0
+        n = seq.request.params.n
+        return n if n > 1 and len(seq.request.seqs) < n else 1
+
+    def _fork_siblings(self, seq: Sequence, sampling: list[Sequence]) -> None:
+        """At a request's first sample, create its other ``n - 1`` sequences sharing blocks
+        (they sample the rows following ``seq``'s)."""
         request = seq.request
-        if request.params.n == 1 or len(request.seqs) == request.params.n:
-            return
         for index in range(1, request.params.n):
             child = self._new_seq(request, index, list(seq.token_ids))
             child.num_computed_tokens = seq.num_computed_tokens
             child.block_hashes = list(seq.block_hashes)
             self.kv.fork(seq.seq_id, child.seq_id)
             self.scheduler.add_running(child)
-            rows.append(row)
             sampling.append(child)
 
     def _take_snapshot(self) -> None:

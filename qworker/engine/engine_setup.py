@@ -91,7 +91,10 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     blocks_per_seq = -(-max_model_len // bs)
     probe_blocks = -(-min(max_model_len, config.max_num_batched_tokens) // bs) + 1
     first_blocks = config.num_kv_blocks or probe_blocks
-    runner = ModelRunner(loaded.model, spec, device, bs, first_blocks, backend)
+    runner = ModelRunner(loaded.model, spec, device, bs, first_blocks, backend,
+                         max_num_seqs=config.max_num_seqs,
+                         max_num_batched_tokens=config.max_num_batched_tokens,
+                         max_model_len=max_model_len)
     num_blocks = plan_num_blocks(config, runner, max_model_len)
     if config.num_kv_blocks is None:
         # Beyond every running sequence at full length twice over, blocks only serve the

@@ -39,6 +39,8 @@ class KVCacheManager:
         self.table_ids: dict[int, list[int]] = {}
         self._num_cached: dict[int, int] = {}
         self.pending_copies: list[tuple[int, int]] = []
+        self._keys: dict[int, int] = {}
+        self._next_key = 0
         self.num_swap_blocks = num_swap_blocks
         self._free_host = list(range(num_swap_blocks - 1, -1, -1))
         self.host_tables: dict[int, list[int]] = {}
@@ -62,6 +64,16 @@ class KVCacheManager:
     def block_ids(self, seq_id: int) -> list[int]:
         """The sequence's block table as block ids (the live list: do not mutate)."""
         return self.table_ids.get(seq_id, [])
+
+    def table_key(self, seq_id: int) -> int:
+        """Changes whenever the sequence's table changes other than by appending blocks
+        (new table, copy-on-write, swap-in); never reused. The model runner keeps its
+        device block table row as long as the key holds and only appends."""
+        return self._keys.get(seq_id, -1)
+
+    def _new_key(self, seq_id: int) -> None:
+        self._keys[seq_id] = self._next_key
+        self._next_key += 1
 
     # ---- prefix cache --------------------------------------------------------------
 
@@ -141,6 +153,7 @@ class KVCacheManager:
         if seq.seq_id not in self.tables:
             self.tables[seq.seq_id] = table
             self.table_ids[seq.seq_id] = []
+            self._new_key(seq.seq_id)
         ids = self.table_ids[seq.seq_id]
         if computed_blocks:
             self.pool.touch(computed_blocks)
@@ -168,6 +181,7 @@ class KVCacheManager:
         self.pool.free_blocks([old])
         self.tables[seq_id][index] = new
         self.table_ids[seq_id][index] = new.block_id
+        self._new_key(seq_id)
         # The copy is private and may yet be written: only full blocks before it stay cached.
         self._num_cached[seq_id] = min(self._num_cached.get(seq_id, 0), index)
 
@@ -188,12 +202,14 @@ class KVCacheManager:
         self.pool.touch(table)
         self.tables[child_seq_id] = list(table)
         self.table_ids[child_seq_id] = list(self.table_ids.get(parent_seq_id, []))
+        self._new_key(child_seq_id)
         self._num_cached[child_seq_id] = self._num_cached.get(parent_seq_id, 0)
 
     def free(self, seq_id: int) -> None:
         """Release every block the sequence holds, on device and on host (tail first)."""
         table = self.tables.pop(seq_id, None)
         self.table_ids.pop(seq_id, None)
+        self._keys.pop(seq_id, None)
         self._num_cached.pop(seq_id, None)
         if table:
             self.pool.free_blocks(reversed(table))
@@ -232,6 +248,7 @@ class KVCacheManager:
         blocks = self.pool.get_new_blocks(len(host))
         self.tables[seq_id] = blocks
         self.table_ids[seq_id] = [b.block_id for b in blocks]
+        self._new_key(seq_id)
         self._num_cached[seq_id] = len(blocks)  # never re-register: content came from the host
         self._free_host.extend(reversed(host))
         return [(h, b.block_id) for h, b in zip(host, blocks, strict=True)]

@@ -1,42 +1,27 @@
 """The model runner: owns the model, the paged KV pool and the attention backend.
 
-It sizes the pool (an exact ``num_kv_blocks``; on CPU ``kv_cache_memory`` bytes,
-1 GiB by default; on GPU ``gpu_memory_utilization`` of the device minus the weights
-and the activation peak of a profiling forward at ``max_num_batched_tokens``), and
-turns a scheduled step into one forward: metadata built with tensor ops (decodes
-first, then prefill chunks), block copies executed first, logits computed only for
-the rows that sample.
+It holds the pool (sized by ``engine_setup``), executes block copies and swaps, and
+turns a scheduled step into one forward: inputs and metadata through the persistent
+buffers of ``step_inputs`` (no host-device round trip), the forward inside the step's
+``forward_context``, logits only for the rows that sample.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from qworker.attention.backend import AttentionBackend, AttentionMetadata, KVCache
+from qworker.attention.backend import AttentionBackend, KVCache
 from qworker.attention.paged_attention import bind_kv_cache, forward_context
+from qworker.engine.step_inputs import PreparedStep, StepInput, StepInputBuilder
 from qworker.models.base import CausalLM, ModelSpec
+
+__all__ = ["DEFAULT_CPU_KV_MEMORY", "ModelRunner", "StepInput"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_MEMORY = 1 << 30
-
-
-@dataclass(slots=True)
-class StepInput:
-    """One step as the runner sees it: per sequence its block ids, context and new tokens.
-
-    ``sample[i]`` tells whether sequence ``i`` needs logits (its last token is in the step).
-    """
-
-    token_chunks: list[list[int]]
-    num_computed: list[int]
-    block_tables: list[list[int]]
-    sample: list[bool]
 
 
 class ModelRunner:
@@ -50,12 +35,18 @@ class ModelRunner:
         block_size: int,
         num_blocks: int,
         backend: AttentionBackend,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
     ) -> None:
         self.model = model
         self.spec = spec
         self.device = device
         self.block_size = block_size
         self.backend = backend
+        max_len = max_model_len or spec.max_position_embeddings
+        self.inputs = StepInputBuilder(device, block_size, max_num_batched_tokens,
+                                       max_num_seqs, -(-max_len // block_size))
         self.kv_cache = self._allocate(num_blocks)
         bind_kv_cache(model, self.kv_cache, backend)
         self.swap_cache: KVCache | None = None
@@ -119,58 +110,25 @@ class ModelRunner:
 
     # ---- forward -------------------------------------------------------------------
 
-    def build(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Flatten a step into input ids, positions and attention metadata (on device).
+    def prepare(self, step: StepInput, prev_tokens: torch.Tensor | None = None) -> PreparedStep:
+        """The step's device inputs (sequences ordered decodes first); see ``step_inputs``."""
+        return self.inputs.build(step, prev_tokens)
 
-        Sequences must already be ordered decodes first.
-        """
-        bs = self.block_size
-        q_lens = np.fromiter((len(c) for c in step.token_chunks), dtype=np.int64,
-                             count=len(step.token_chunks))
-        ctx = np.asarray(step.num_computed, dtype=np.int64)
-        num_seqs = len(q_lens)
-        qsl = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=qsl[1:])
-        num_tokens = int(qsl[-1])
-        seq_lens = ctx + q_lens
-        max_blocks = max((len(t) for t in step.block_tables), default=1) or 1
-        tables = np.zeros((num_seqs, max_blocks), dtype=np.int64)
-        for i, t in enumerate(step.block_tables):
-            tables[i, : len(t)] = t
-        input_ids = np.fromiter(
-            itertools.chain.from_iterable(step.token_chunks), dtype=np.int64, count=num_tokens
-        )
-        # position of each query token = its sequence's context length + its offset in the chunk
-        seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
-        positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(qsl[:-1] - ctx, q_lens)
-        slots = tables[seq_of_token, positions // bs] * bs + positions % bs
-        num_decodes = int(np.argmax(q_lens != 1)) if (q_lens != 1).any() else num_seqs
-        dev = self.device
-        meta = AttentionMetadata(
-            num_seqs=num_seqs,
-            num_tokens=num_tokens,
-            num_decodes=num_decodes,
-            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            block_tables=torch.from_numpy(tables.astype(np.int32)).to(dev),
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            max_query_len=int(q_lens.max()) if num_seqs else 0,
-            max_seq_len=int(seq_lens.max()) if num_seqs else 0,
-        )
-        return torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), meta
+    def forward(self, prepared: PreparedStep) -> torch.Tensor | None:
+        """Run the model; fp32 logits ``[num_logit_rows, vocab]`` in row order, or None."""
+        with forward_context(prepared.meta):
+            hidden = self.model(prepared.input_ids, prepared.positions)
+        if not prepared.num_logit_rows:
+            return None
+        if prepared.logits_index is not None:
+            hidden = hidden.index_select(0, prepared.logits_index)
+        return self.model.compute_logits(hidden).float()
 
     @torch.inference_mode()
-    def execute(self, step: StepInput) -> torch.Tensor | None:
-        """Run one forward; return fp32 logits of the sampling rows, in order (or None)."""
-        input_ids, positions, meta = self.build(step)
-        with forward_context(meta):
-            hidden = self.model(input_ids, positions)
-        rows = [i for i, s in enumerate(step.sample) if s]
-        if not rows:
-            return None
-        last = meta.query_start_loc[1:].long() - 1
-        idx = last[torch.tensor(rows, device=self.device)] if len(rows) < meta.num_seqs else last
-        return self.model.compute_logits(hidden[idx]).float()
+    def execute(self, step: StepInput, prev_tokens: torch.Tensor | None = None
+                ) -> torch.Tensor | None:
+        """``prepare`` then ``forward``: fp32 logits of the sampling rows, in order (or None)."""
+        return self.forward(self.prepare(step, prev_tokens))
 
     # ---- sizing --------------------------------------------------------------------
 
