@@ -117,9 +117,11 @@ class StepInputBuilder:
             self._alloc_table(max(num_seqs, rows), max(width, cols))
 
     def _wait(self) -> None:
-        """Block until the last step's copies have read the pinned buffers."""
+        """Block until the last step's copies have read the pinned buffers (they normally
+        have: ``query`` costs no synchronisation)."""
         if self._copied is not None:
-            self._copied.synchronize()
+            if not self._copied.query():
+                self._copied.synchronize()
             self._copied = None
 
     # ---- block table -------------------------------------------------------------------
