@@ -82,7 +82,11 @@ class AttentionMetadata:
     ``sliding_window`` (tokens, or None) limits how far back a query may attend.
     ``query_start_loc_cpu`` / ``seq_lens_cpu``, when set, are host copies of those two
     tensors (the runner has them anyway), so a backend never reads device tensors back
-    inside the forward.
+    inside the forward. ``cuda_graph`` is True while the step is captured into a CUDA
+    graph that later steps replay: launch sizes must then depend only on tensor shapes
+    and ``max_seq_len`` (set to ``max_model_len``), never on values, the host copies
+    are None, and nothing may be compiled or initialised (a warm-up forward with the
+    same metadata runs first).
     """
 
     num_seqs: int
@@ -97,6 +101,7 @@ class AttentionMetadata:
     sliding_window: int | None = None
     query_start_loc_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
+    cuda_graph: bool = False
 
 
 class AttentionBackend(ABC):

@@ -122,3 +122,9 @@ def bind_kv_cache(model: nn.Module, kv_cache: KVCache, backend: AttentionBackend
         layer.key_cache = kv_cache.key[layer.layer_idx]
         layer.value_cache = kv_cache.value[layer.layer_idx]
         layer.backend = backend
+
+
+def unbind_kv_cache(model: nn.Module) -> None:
+    """Drop every attention layer's references to the pool (so it can be freed)."""
+    for layer in attention_layers(model):
+        layer.key_cache = layer.value_cache = None

@@ -304,4 +304,5 @@ class Engine:
             max_concurrent_full_length_seqs=self.max_concurrent_full_length_seqs,
             attention_backend=self.runner.backend.name,
             kv_cache_dtype=self.config.kv_cache_dtype,
+            cuda_graphs=self.runner.graphs is not None and self.runner.graphs.captured,
         )

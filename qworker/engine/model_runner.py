@@ -13,7 +13,8 @@ import logging
 import torch
 
 from qworker.attention.backend import AttentionBackend, KVCache
-from qworker.attention.paged_attention import bind_kv_cache, forward_context
+from qworker.attention.paged_attention import bind_kv_cache, forward_context, unbind_kv_cache
+from qworker.engine.cuda_graphs import CudaGraphRunner, GraphFactory
 from qworker.engine.step_inputs import PreparedStep, StepInput, StepInputBuilder
 from qworker.models.base import CausalLM, ModelSpec
 
@@ -47,6 +48,7 @@ class ModelRunner:
         max_len = max_model_len or spec.max_position_embeddings
         self.inputs = StepInputBuilder(device, block_size, max_num_batched_tokens,
                                        max_num_seqs, -(-max_len // block_size))
+        self.graphs: CudaGraphRunner | None = None
         self.kv_cache = self._allocate(num_blocks)
         bind_kv_cache(model, self.kv_cache, backend)
         self.swap_cache: KVCache | None = None
@@ -59,7 +61,10 @@ class ModelRunner:
         )
 
     def reallocate_pool(self, num_blocks: int) -> None:
-        """Replace the device pool by a zeroed one of ``num_blocks`` blocks (after profiling)."""
+        """Replace the device pool by a zeroed one of ``num_blocks`` blocks (after profiling);
+        captured graphs point at the old pool and are dropped."""
+        self.drop_cuda_graphs()
+        unbind_kv_cache(self.model)
         self.kv_cache = None  # type: ignore[assignment]
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -110,14 +115,34 @@ class ModelRunner:
 
     # ---- forward -------------------------------------------------------------------
 
+    def enable_cuda_graphs(self, sizes: list[int], max_model_len: int,
+                           graph_factory: GraphFactory | None = None) -> int:
+        """Capture the decode forward for every batch size in ``sizes`` (after the pool is
+        final: graphs hold its addresses); returns the device bytes they hold."""
+        self.graphs = CudaGraphRunner(self.model, self.inputs, sizes, max_model_len,
+                                      graph_factory)
+        return self.graphs.capture_all()
+
+    def drop_cuda_graphs(self) -> None:
+        """Release the captured graphs (eager forwards from now on)."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+
     def prepare(self, step: StepInput, prev_tokens: torch.Tensor | None = None) -> PreparedStep:
-        """The step's device inputs (sequences ordered decodes first); see ``step_inputs``."""
-        return self.inputs.build(step, prev_tokens)
+        """The step's device inputs (sequences ordered decodes first); see ``step_inputs``.
+        A pure-decode step within the graph buckets is padded to its bucket."""
+        size = self.graphs.bucket(step) if self.graphs is not None else None
+        return self.inputs.build(step, prev_tokens, pad_to=size)
 
     def forward(self, prepared: PreparedStep) -> torch.Tensor | None:
-        """Run the model; fp32 logits ``[num_logit_rows, vocab]`` in row order, or None."""
-        with forward_context(prepared.meta):
-            hidden = self.model(prepared.input_ids, prepared.positions)
+        """Run the model (a graph replay when the step was padded to a bucket); fp32 logits
+        ``[num_logit_rows, vocab]`` in row order, or None."""
+        if prepared.graph_size is not None and self.graphs is not None:
+            hidden = self.graphs.replay(prepared)
+        else:
+            with forward_context(prepared.meta):
+                hidden = self.model(prepared.input_ids, prepared.positions)
         if not prepared.num_logit_rows:
             return None
         if prepared.logits_index is not None:

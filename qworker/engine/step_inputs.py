@@ -55,11 +55,29 @@ class PreparedStep:
     meta: AttentionMetadata
     logits_index: torch.Tensor | None  # int64 [R] hidden rows to project; None: all T rows
     num_logit_rows: int
+    graph_size: int | None = None  # the CUDA graph bucket this step replays in
 
     @property
     def is_decode(self) -> bool:
         """True when every sequence feeds exactly one token (a CUDA-graph candidate)."""
         return self.meta.num_decodes == self.meta.num_seqs
+
+
+_PAD_KEY = -2  # table key of graph padding rows: their slot is -1, their table row unused
+
+
+def _padded(step: StepInput, size: int) -> StepInput:
+    """``step`` (decode-only) with ``size - len(step)`` padding sequences appended."""
+    extra = size - len(step.token_chunks)
+    keys = step.table_keys if step.table_keys is not None else [None] * len(step.token_chunks)
+    return StepInput(
+        token_chunks=[*step.token_chunks, *([[0]] * extra)],
+        num_computed=[*step.num_computed, *([0] * extra)],
+        block_tables=[*step.block_tables, *([[]] * extra)],
+        sample=[*step.sample, *([0] * extra)],
+        table_keys=[*keys, *([_PAD_KEY] * extra)],  # type: ignore[list-item]
+        prev_rows=None if step.prev_rows is None else [*step.prev_rows, *([-1] * extra)],
+    )
 
 
 def _host_tensor(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -80,12 +98,14 @@ class StepInputBuilder:
         self._on_host = device.type == "cpu"
         self._pin = device.type == "cuda"
         self._copied: torch.cuda.Event | None = None
+        self.generation = 0  # bumped whenever a buffer is reallocated (graphs go stale)
         self._alloc_flat(max(1, max_tokens), max(1, max_seqs))
         self._alloc_table(max(1, max_seqs), max(1, max_blocks))
 
     # ---- buffers -----------------------------------------------------------------------
 
     def _alloc_flat(self, max_tokens: int, max_seqs: int) -> None:
+        self.generation += 1
         self.max_tokens, self.max_seqs_flat = max_tokens, max_seqs
         n64 = 3 * max_tokens + 3 * max_seqs
         n32 = 2 * max_seqs + 1
@@ -99,6 +119,7 @@ class StepInputBuilder:
             self._d32 = torch.zeros(n32, dtype=torch.int32, device=self.device)
 
     def _alloc_table(self, rows: int, width: int) -> None:
+        self.generation += 1
         self._htable = _host_tensor((rows, width), torch.int32, self._pin)
         self._ntable = self._htable.numpy()
         self._dtable = (self._htable if self._on_host else
@@ -142,12 +163,18 @@ class StepInputBuilder:
 
     # ---- the step ------------------------------------------------------------------------
 
-    def build(self, step: StepInput, prev_tokens: torch.Tensor | None = None) -> PreparedStep:
+    def build(self, step: StepInput, prev_tokens: torch.Tensor | None = None,
+              pad_to: int | None = None) -> PreparedStep:
         """Write ``step`` into the buffers, start the copies, return the device views.
 
         ``prev_tokens`` (int64, on the device) is the previous step's sampled ids, read
-        for the sequences with ``prev_rows[i] >= 0``.
+        for the sequences with ``prev_rows[i] >= 0``. ``pad_to`` (a decode-only step
+        replayed by a CUDA graph of that batch size) appends padding sequences of one
+        token each: id 0, position 0, slot -1 (never written), length 1 (reads a valid
+        block and is dropped), so the buffers sit where the graph was captured.
         """
+        if pad_to is not None and pad_to > len(step.token_chunks):
+            step = _padded(step, pad_to)
         chunks = step.token_chunks
         num_seqs = len(chunks)
         bs = self.block_size
@@ -179,6 +206,8 @@ class StepInputBuilder:
             not_decode = q_lens != 1
             num_decodes = int(np.argmax(not_decode)) if not_decode.any() else num_seqs
         slots[:] = self._ntable[seq_of_token, pos // bs].astype(np.int64) * bs + pos % bs
+        if step.table_keys is not None and _PAD_KEY in step.table_keys:
+            slots[np.asarray(step.table_keys) == _PAD_KEY] = -1
         end = 3 * t
 
         counts = np.asarray(step.sample, dtype=np.int64)
@@ -228,6 +257,7 @@ class StepInputBuilder:
             meta=meta,
             logits_index=None if logits_index is None else d64[logits_index],
             num_logit_rows=num_rows,
+            graph_size=pad_to if pad_to is not None and pad_to == num_seqs else None,
         )
 
     def _copy(self, n64: int, n32: int, num_seqs: int) -> None:
