@@ -84,6 +84,9 @@ class EngineConfig:
         "(half the bytes of bf16)", choices=KV_CACHE_DTYPES)
     enforce_eager: bool = knob(False, "never use CUDA graphs (debugging); graphs are the GPU "
                                "default for decode steps")
+    async_scheduling: bool = knob(True, "overlap each step's scheduling and output "
+                                  "processing with the device's forward (GPU only; outputs "
+                                  "are identical either way)")
     served_model_name: str | None = knob(
         None, "the model name results report; default: the model dir's or hub id's last part")
     seed: int = knob(0, "engine seed (unseeded sampling draws from it)")
@@ -154,7 +157,9 @@ def check_knob(name: str, value: Any) -> Any:
         isinstance(value, int | float) and not isinstance(value, bool) and 0.0 < value <= 1.0
     ):
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {value!r}")
-    if name in ("enable_prefix_caching", "enforce_eager") and not isinstance(value, bool):
+    if name in ("enable_prefix_caching", "enforce_eager", "async_scheduling") and not isinstance(
+        value, bool
+    ):
         raise ValueError(f"{name} must be true or false, got {value!r}")
     if name == "seed" and not _is_int(value):
         raise ValueError(f"seed must be an integer, got {value!r}")

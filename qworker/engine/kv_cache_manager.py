@@ -114,7 +114,9 @@ class KVCacheManager:
         table = self.tables.get(seq.seq_id)
         if not table:
             return
-        num_full = min(seq.num_computed_tokens // self.block_size, len(table))
+        # Only tokens known on the host can be hashed: a pending token's block waits.
+        known = min(seq.num_computed_tokens, seq.num_tokens)
+        num_full = min(known // self.block_size, len(table))
         start = self._num_cached.get(seq.seq_id, 0)
         if num_full <= start:
             return

@@ -131,6 +131,8 @@ class Scheduler:
     def _resume_swapped(self, out: SchedulerOutput, budget: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
+            if seq.num_pending:  # swapped out with its last token still on the device
+                break
             num_new = min(seq.num_uncomputed_tokens, budget)
             num_host = len(self.kv.host_tables.get(seq.seq_id, ()))
             extra = self.kv.blocks_for(seq.num_computed_tokens + num_new) - num_host
@@ -150,6 +152,8 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_pending:  # preempted with its last token still on the device
+                break
             computed = self.kv.get_computed_blocks(seq)
             num_hit = len(computed) * self.kv.block_size
             num_new = min(seq.num_tokens - seq.num_computed_tokens - num_hit, budget)
