@@ -56,6 +56,8 @@ class Engine:
         self._inflight: LaunchedStep | None = None
         self.num_overlapped_steps = 0  # steps launched before the previous one was processed
         self._snapshot = EngineStats()
+        self._counted_version = -1
+        self._request_counts = (0, 0, 0)
         self._take_snapshot()
 
     @property
@@ -258,8 +260,14 @@ class Engine:
     def _take_snapshot(self) -> None:
         pool = self.kv.pool
         sched = self.scheduler
-        running_requests = {s.request.request_id for s in sched.running}
-        waiting_requests = {s.request.request_id for s in sched.waiting}
+        if self._counted_version != sched.version:  # membership changed: recount requests
+            running_requests = {s.request.request_id for s in sched.running}
+            waiting_requests = {s.request.request_id for s in sched.waiting}
+            self._request_counts = (
+                len(running_requests), len(waiting_requests - running_requests),
+                len({s.request.request_id for s in sched.swapped}))
+            self._counted_version = sched.version
+        num_running, num_waiting, num_swapped = self._request_counts
         self._snapshot = EngineStats(
             num_kv_blocks=pool.num_blocks,
             block_size=self.kv.block_size,
@@ -272,9 +280,9 @@ class Engine:
             num_swap_outs=sched.num_swap_outs,
             prompt_tokens=self.pipeline.prompt_tokens,
             generation_tokens=self.pipeline.generation_tokens,
-            num_requests_running=len(running_requests),
-            num_requests_waiting=len(waiting_requests - running_requests),
-            num_requests_swapped=len({s.request.request_id for s in sched.swapped}),
+            num_requests_running=num_running,
+            num_requests_waiting=num_waiting,
+            num_requests_swapped=num_swapped,
             waiting_prompt_blocks=sched.waiting_prompt_blocks(),
             max_model_len=self.max_model_len,
             max_num_seqs=sched.max_num_seqs,

@@ -71,6 +71,11 @@ class KVCacheManager:
         device block table row as long as the key holds and only appends."""
         return self._keys.get(seq_id, -1)
 
+    def step_tables(self, seq_ids: list[int]) -> tuple[list[list[int]], list[int]]:
+        """``block_ids`` and ``table_key`` of each sequence, for a step's inputs."""
+        ids, keys = self.table_ids, self._keys
+        return [ids.get(s, []) for s in seq_ids], [keys.get(s, -1) for s in seq_ids]
+
     def _new_key(self, seq_id: int) -> None:
         self._keys[seq_id] = self._next_key
         self._next_key += 1
@@ -111,13 +116,15 @@ class KVCacheManager:
         """Register the sequence's newly computed full blocks in the prefix cache."""
         if not self.pool.enable_caching:
             return
+        # Only tokens known on the host can be hashed: a pending token's block waits.
+        known = min(seq.num_computed_tokens, len(seq.token_ids))
+        start = self._num_cached.get(seq.seq_id, 0)
+        if known // self.block_size <= start:  # the common case: no block completed
+            return
         table = self.tables.get(seq.seq_id)
         if not table:
             return
-        # Only tokens known on the host can be hashed: a pending token's block waits.
-        known = min(seq.num_computed_tokens, seq.num_tokens)
         num_full = min(known // self.block_size, len(table))
-        start = self._num_cached.get(seq.seq_id, 0)
         if num_full <= start:
             return
         hashes = self._update_hashes(seq, num_full)
@@ -140,8 +147,15 @@ class KVCacheManager:
         ``len(computed_blocks) * block_size`` to ``num_computed_tokens``. A shared block
         about to be written is replaced by a private copy (see ``pending_copies``).
         """
-        computed_blocks = computed_blocks or []
         table = self.tables.get(seq.seq_id)
+        if not computed_blocks and table:
+            # Fast path of a decode: the new tokens fit in the last block, which is private.
+            bs = self.block_size
+            done = seq.num_computed_tokens
+            if (done // bs == len(table) - 1 and (done + num_new_tokens + bs - 1) // bs
+                    <= len(table) and table[-1].ref_cnt == 1):
+                return True
+        computed_blocks = computed_blocks or []
         if table is None:
             table = []
         num_computed = seq.num_computed_tokens + len(computed_blocks) * self.block_size

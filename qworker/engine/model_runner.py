@@ -149,11 +149,13 @@ class ModelRunner:
             hidden = hidden.index_select(0, prepared.logits_index)
         return self.model.compute_logits(hidden).float()
 
-    @torch.inference_mode()
     def execute(self, step: StepInput, prev_tokens: torch.Tensor | None = None
                 ) -> torch.Tensor | None:
         """``prepare`` then ``forward``: fp32 logits of the sampling rows, in order (or None)."""
-        return self.forward(self.prepare(step, prev_tokens))
+        if torch.is_inference_mode_enabled():
+            return self.forward(self.prepare(step, prev_tokens))
+        with torch.inference_mode():
+            return self.forward(self.prepare(step, prev_tokens))
 
     # ---- sizing --------------------------------------------------------------------
 

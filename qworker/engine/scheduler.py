@@ -73,24 +73,44 @@ class Scheduler:
         self.swapped: deque[Sequence] = deque()
         self.num_preemptions = 0
         self.num_swap_outs = 0
+        #: Bumped whenever a sequence enters or leaves a queue (stats derived from the
+        #: queues' membership are recomputed only then).
+        self.version = 0
+        self._waiting_blocks: dict[int, int] = {}  # seq_id -> blocks counted while waiting
+        self._waiting_blocks_total = 0
+
+    def _enqueue_waiting(self, seq: Sequence, front: bool = False) -> None:
+        blocks = self.kv.blocks_for(seq.num_tokens)
+        self._waiting_blocks[seq.seq_id] = blocks
+        self._waiting_blocks_total += blocks
+        if front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
+
+    def _left_waiting(self, seq: Sequence) -> None:
+        self._waiting_blocks_total -= self._waiting_blocks.pop(seq.seq_id, 0)
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence at the back of the waiting queue."""
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        self._enqueue_waiting(seq)
+        self.version += 1
 
     def add_running(self, seq: Sequence) -> None:
         """Register a sequence forked from a running one (it already holds shared blocks)."""
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
+        self.version += 1
 
     def has_unfinished(self) -> bool:
         """True while any sequence waits, runs or sits swapped out."""
         return bool(self.waiting or self.running or self.swapped)
 
     def waiting_prompt_blocks(self) -> int:
-        """Blocks the waiting sequences would need if nothing were cached."""
-        return sum(self.kv.blocks_for(s.num_tokens) for s in self.waiting)
+        """Blocks the waiting sequences would need if nothing were cached (as counted when
+        each joined the queue; kept up to date, not recomputed per call)."""
+        return self._waiting_blocks_total
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Take a sequence out of whatever queue holds it and release its blocks."""
@@ -98,10 +118,12 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+            self._left_waiting(seq)
         elif seq.status is SequenceStatus.SWAPPED:
             self.swapped.remove(seq)
         seq.status = status
         self.kv.free(seq.seq_id)
+        self.version += 1
 
     def schedule(self) -> SchedulerOutput:
         """Choose the next step's sequences and reserve their slots."""
@@ -139,6 +161,7 @@ class Scheduler:
             if not self.kv.can_swap_in(seq.seq_id, max(extra, 0)):
                 break
             self.swapped.popleft()
+            self.version += 1
             out.swap_in.extend(self.kv.swap_in(seq.seq_id))
             if not self.kv.allocate_slots(seq, num_new):  # cannot fail: room was checked
                 raise RuntimeError(f"swap-in of sequence {seq.seq_id} lost its reserved blocks")
@@ -160,6 +183,8 @@ class Scheduler:
             if not self.kv.allocate_slots(seq, num_new, computed):
                 break
             self.waiting.popleft()
+            self._left_waiting(seq)
+            self.version += 1
             self.kv.record_prefix_query(seq.num_tokens)
             seq.num_computed_tokens += num_hit
             if seq.index == 0 and seq.request.metrics.first_scheduled_time is None:
@@ -171,6 +196,7 @@ class Scheduler:
             budget -= num_new
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.version += 1
         self.num_preemptions += 1
         seq.num_preemptions += 1
         out.preempted.append(seq)
@@ -183,4 +209,4 @@ class Scheduler:
         self.kv.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._enqueue_waiting(seq, front=True)

@@ -28,7 +28,7 @@ class SequenceStatus(enum.Enum):
     @property
     def finished(self) -> bool:
         """True for the three FINISHED_* states."""
-        return self in _FINISHED
+        return self._finished  # type: ignore[attr-defined, no-any-return]
 
     @property
     def finish_reason(self) -> str | None:
@@ -43,6 +43,8 @@ _FINISHED = frozenset(
         SequenceStatus.FINISHED_ABORTED,
     }
 )
+for _status in SequenceStatus:  # a plain attribute: read for every sequence every step
+    _status._finished = _status in _FINISHED  # type: ignore[attr-defined]
 _REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
     SequenceStatus.FINISHED_LENGTH: "length",

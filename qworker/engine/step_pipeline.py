@@ -92,9 +92,13 @@ class StepPipeline:
         seqs = [sched.seqs[i] for i in order]
         num_new = [sched.num_new_tokens[i] for i in order]
         chunks: list[list[int]] = []
+        computed: list[int] = []
+        sample: list[int] = []
         prev_rows: list[int] | None = None
         for i, (s, n) in enumerate(zip(seqs, num_new, strict=True)):
-            chunk = s.token_ids[s.num_computed_tokens : s.num_computed_tokens + n]
+            done = s.num_computed_tokens
+            tokens = s.token_ids
+            chunk = tokens[done : done + n]
             if len(chunk) < n:  # the last token is pending: read it from the device
                 if prev is None or s.seq_id not in prev.row_of:
                     raise RuntimeError(f"sequence {s.seq_id} has a pending token but no "
@@ -102,46 +106,60 @@ class StepPipeline:
                 if prev_rows is None:
                     prev_rows = [-1] * len(seqs)
                 prev_rows[i] = prev.row_of[s.seq_id]
-                chunk = [*chunk, 0]
+                chunk.append(0)
             chunks.append(chunk)
-        sample = [_rows_to_sample(s, n) for s, n in zip(seqs, num_new, strict=True)]
-        step = StepInput(
-            token_chunks=chunks,
-            num_computed=[s.num_computed_tokens for s in seqs],
-            block_tables=[kv.block_ids(s.seq_id) for s in seqs],
-            sample=sample,
-            table_keys=[kv.table_key(s.seq_id) for s in seqs],
-            prev_rows=prev_rows,
-        )
+            computed.append(done)
+            # rows sampled: 0 mid-prompt, n at a request's first token (siblings forked
+            # then), else 1
+            if done + n != len(tokens) + s.num_pending:
+                sample.append(0)
+            else:
+                k = s.request.params.n
+                sample.append(k if k > 1 and len(s.request.seqs) < k else 1)
+        tables, keys = kv.step_tables([s.seq_id for s in seqs])
+        step = StepInput(chunks, computed, tables, sample, keys, prev_rows)
         prepare = getattr(self.sampler, "prepare", None)
         if callable(prepare):  # e.g. grammar masks, filled while the forward runs
             prepare([s for s, rows in zip(seqs, sample, strict=True) if rows])
         with torch.inference_mode():
             logits = runner.execute(step, prev.token_ids if prev is not None else None)
+            return self._sample(seqs, num_new, sample, logits)
+
+    def _sample(self, seqs: list[Sequence], num_new: list[int], sample: list[int],
+                logits: torch.Tensor | None) -> LaunchedStep:
+        """Advance the launched sequences, fork siblings, sample on the device."""
+        kv = self.kv
+        bs = kv.block_size
         now = time.time()
         sampling: list[Sequence] = []
+        positions: list[int] = []
         for seq, n, rows in zip(seqs, num_new, sample, strict=True):
-            seq.num_computed_tokens += n
-            kv.cache_full_blocks(seq)
-            if seq.request.metrics.first_scheduled_time is None:
-                seq.request.metrics.first_scheduled_time = now
+            done = seq.num_computed_tokens
+            seq.num_computed_tokens = done + n
+            if (done + n) // bs != done // bs:  # a block was completed
+                kv.cache_full_blocks(seq)
+            metrics = seq.request.metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
             if rows:
                 sampling.append(seq)
-                sampling.extend(self._fork(seq, i) for i in range(1, rows))
+                positions.append(len(seq.token_ids) - seq.num_prompt_tokens + seq.num_pending)
+                for index in range(1, rows):
+                    sampling.append(self._fork(seq, index))
+                    positions.append(0)
         if logits is None or not sampling:
             return LaunchedStep()
-        positions = [s.num_output_tokens + s.num_pending for s in sampling]
-        with torch.inference_mode():
-            output = self.sampler.sample(logits, sampling, positions)
+        output = self.sampler.sample(logits, sampling, positions)
         token_ids = getattr(output, "token_ids_device", None)
         if token_ids is None:  # a sampler that returns host lists (it has synced already)
             token_ids = torch.tensor(output.token_ids, dtype=torch.int64).to(logits.device)
         else:
             output.to_host()  # the step's one device-to-host copy, not awaited here
-        for s in sampling:
+        row_of = {}
+        for i, s in enumerate(sampling):
             s.num_pending += 1
-        return LaunchedStep(sampling, output, token_ids,
-                            {s.seq_id: i for i, s in enumerate(sampling)})
+            row_of[s.seq_id] = i
+        return LaunchedStep(sampling, output, token_ids, row_of)
 
     def process(self, launched: LaunchedStep, finished: list[Request]) -> None:
         """Append the sampled tokens (waiting for them), stop and free what ended."""
@@ -154,13 +172,14 @@ class StepPipeline:
         outputs, kv, scheduler = self.outputs, self.kv, self.scheduler
         for i, seq in enumerate(launched.sampling):
             seq.num_pending -= 1
-            if seq.is_finished:  # finished (or aborted) after this step was launched
+            if seq.status.finished:  # finished (or aborted) after this step was launched
                 continue
             request = seq.request
-            if seq.num_output_tokens == 0 and seq.index == 0:
+            if seq.index == 0 and len(seq.token_ids) == seq.num_prompt_tokens:
                 self.prompt_tokens += seq.num_prompt_tokens
             status = outputs.append_token(seq, token_ids[i], logprobs[i], tops[i])
-            kv.cache_full_blocks(seq)
+            if seq.num_computed_tokens >= seq.num_tokens:  # the token's KV is computed too
+                kv.cache_full_blocks(seq)
             self.generation_tokens += 1
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
@@ -169,15 +188,6 @@ class StepPipeline:
                 if request.is_finished:
                     request.metrics.finished_time = time.time()
                     finished.append(request)
-
-
-def _rows_to_sample(seq: Sequence, num_new: int) -> int:
-    """Logits rows ``seq`` samples in a step of ``num_new`` tokens: 0 mid-prompt, ``n``
-    at a request's first token (its siblings are forked then), else 1."""
-    if seq.num_computed_tokens + num_new != seq.num_tokens + seq.num_pending:
-        return 0
-    n = seq.request.params.n
-    return n if n > 1 and len(seq.request.seqs) < n else 1
 
 
 def without_finished(sched: SchedulerOutput) -> SchedulerOutput:
