@@ -95,6 +95,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             enable_prefix_caching=True))
     stub = StubModel(engine.spec.hidden_size, engine.spec.vocab_size, args.batch)
     engine.runner.model = stub
+    if args.overlap and hasattr(engine, "async_scheduling"):
+        engine.async_scheduling = True  # the GPU path: launch N+1 before processing N
     params = SamplingParams(temperature=0.0, max_tokens=max_len, ignore_eos=True)
     prompt = [3 + (i % (args.vocab - 3)) for i in range(args.prompt_len)]
     for i in range(args.batch):  # distinct first tokens: no prefix sharing
@@ -122,6 +124,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "queued": stats["num_requests_waiting"],
         "steps": args.steps,
         "vocab": args.vocab,
+        "overlap": bool(args.overlap and hasattr(engine, "async_scheduling")),
         "mean_ms": round(mean_ms, 4),
         "cpu_mean_ms": round(1e3 * sum(cpu) / len(cpu), 4),
         "cpu_median_ms": round(1e3 * cpu[len(cpu) // 2], 4),
@@ -143,6 +146,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=256,
                    help="vocabulary of the stub's logits (default 256: the sampler's "
                         "arithmetic, device work on a GPU, stays small beside the host work)")
+    p.add_argument("--overlap", action="store_true",
+                   help="run with async scheduling on (the GPU default; the CPU's is off)")
     p.add_argument("--baseline", type=Path, default=None,
                    help="also measure with qworker imported from this directory")
     p.add_argument(_TREE_FLAG, type=Path, default=None, help=argparse.SUPPRESS)
@@ -161,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, __file__, _TREE_FLAG, str(args.baseline), "--json-only",
                "--batch", str(args.batch), "--waiting", str(args.waiting), "--steps",
                str(args.steps), "--warmup-steps", str(args.warmup_steps), "--prompt-len",
-               str(args.prompt_len), "--vocab", str(args.vocab)]
+               str(args.prompt_len), "--vocab", str(args.vocab)] + (
+                   ["--overlap"] if args.overlap else [])
         env = {**os.environ, "PYTHONPATH": str(args.baseline)}
         out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
         base = json.loads(out.strip().splitlines()[-1])

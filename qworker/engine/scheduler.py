@@ -129,18 +129,22 @@ class Scheduler:
         """Choose the next step's sequences and reserve their slots."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        running, allocate = self.running, self.kv.allocate_slots
+        seqs, counts = out.seqs, out.num_new_tokens
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            while not self.kv.allocate_slots(seq, num_new):
-                victim = self.running.pop()
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            num_new = seq.num_uncomputed_tokens
+            if num_new > budget:
+                num_new = budget
+            while not allocate(seq, num_new):
+                victim = running.pop()
                 self._preempt(victim, out)
                 if victim is seq:
                     break
             else:
-                out.seqs.append(seq)
-                out.num_new_tokens.append(num_new)
+                seqs.append(seq)
+                counts.append(num_new)
                 budget -= num_new
             i += 1
         if not out.preempted:

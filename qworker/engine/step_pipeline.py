@@ -95,17 +95,19 @@ class StepPipeline:
         computed: list[int] = []
         sample: list[int] = []
         prev_rows: list[int] | None = None
+        prev_row_of = prev.row_of if prev is not None else {}
         for i, (s, n) in enumerate(zip(seqs, num_new, strict=True)):
             done = s.num_computed_tokens
             tokens = s.token_ids
             chunk = tokens[done : done + n]
             if len(chunk) < n:  # the last token is pending: read it from the device
-                if prev is None or s.seq_id not in prev.row_of:
+                row = prev_row_of.get(s.seq_id, -1)
+                if row < 0:
                     raise RuntimeError(f"sequence {s.seq_id} has a pending token but no "
                                        "step in flight holds it")
                 if prev_rows is None:
                     prev_rows = [-1] * len(seqs)
-                prev_rows[i] = prev.row_of[s.seq_id]
+                prev_rows[i] = row
                 chunk.append(0)
             chunks.append(chunk)
             computed.append(done)
@@ -169,25 +171,31 @@ class StepPipeline:
         token_ids = result.token_ids  # waits for the copy
         logprobs, tops = result.logprobs, result.top_logprobs
         now = time.time()
-        outputs, kv, scheduler = self.outputs, self.kv, self.scheduler
+        append, cache = self.outputs.append_token, self.kv.cache_full_blocks
+        bs = self.kv.block_size
+        generated = 0
         for i, seq in enumerate(launched.sampling):
             seq.num_pending -= 1
             if seq.status.finished:  # finished (or aborted) after this step was launched
                 continue
             request = seq.request
-            if seq.index == 0 and len(seq.token_ids) == seq.num_prompt_tokens:
+            tokens = seq.token_ids
+            if seq.index == 0 and len(tokens) == seq.num_prompt_tokens:
                 self.prompt_tokens += seq.num_prompt_tokens
-            status = outputs.append_token(seq, token_ids[i], logprobs[i], tops[i])
-            if seq.num_computed_tokens >= seq.num_tokens:  # the token's KV is computed too
-                kv.cache_full_blocks(seq)
-            self.generation_tokens += 1
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
+            status = append(seq, token_ids[i], logprobs[i], tops[i])
+            generated += 1
+            # The token may complete a block whose KV is computed (it was fed already).
+            if seq.num_computed_tokens >= len(tokens) and not len(tokens) % bs:
+                cache(seq)
+            metrics = request.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
             if status is not None:
-                scheduler.finish(seq, status)
+                self.scheduler.finish(seq, status)
                 if request.is_finished:
-                    request.metrics.finished_time = time.time()
+                    metrics.finished_time = time.time()
                     finished.append(request)
+        self.generation_tokens += generated
 
 
 def without_finished(sched: SchedulerOutput) -> SchedulerOutput:
