@@ -13,6 +13,7 @@ pool that cannot hold one ``max_model_len`` sequence is refused with the largest
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,7 @@ from qworker.engine.model_runner import DEFAULT_CPU_KV_MEMORY, ModelRunner
 from qworker.engine.output_processor import OutputProcessor
 from qworker.engine.sampler import Sampler
 from qworker.engine.scheduler import Scheduler
+from qworker.models import fused_kernels
 from qworker.models.base import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -72,6 +74,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     """Load the model and tokenizer, size the pool, and wire the engine's parts."""
     from qworker.models.loader import load_model, load_tokenizer
 
+    started = time.perf_counter()
     check_config(config)
     if config.kv_cache_dtype != "auto":
         raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} is not available in this "
@@ -90,6 +93,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
             f"{spec.max_position_embeddings}"
         )
     backend = select_backend(config.attention_backend, device)
+    if device.type == "cuda":  # the kernel path has the small ops fused too; "torch" has not
+        fused_kernels.enable(fused_kernels.FusedKernels() if backend.name == "cuda" else None)
+    loaded_at = time.perf_counter()
     bs = config.block_size
     blocks_per_seq = -(-max_model_len // bs)
     probe_blocks = -(-min(max_model_len, config.max_num_batched_tokens) // bs) + 1
@@ -111,11 +117,15 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
             num_blocks = cap
     if num_blocks != first_blocks:
         runner.reallocate_pool(num_blocks)
+    sized_at = time.perf_counter()
     if use_graphs:
         # After the pool is final: graphs hold its addresses.
         graph_bytes = runner.enable_cuda_graphs(graph_sizes, max_model_len)
         logger.info("CUDA graphs hold %.1f MiB (captured in %.1fs)", graph_bytes / 2**20,
                     runner.graphs.capture_seconds if runner.graphs else 0.0)
+    logger.info("startup: model load %.1fs, pool sizing (profiling, kernel compilation, trial "
+                "capture) %.1fs, CUDA graph capture %.1fs", loaded_at - started,
+                sized_at - loaded_at, time.perf_counter() - sized_at)
     if num_blocks < blocks_per_seq:
         raise ValueError(
             f"the KV pool holds {num_blocks} blocks of {bs} tokens ({num_blocks * bs} tokens), "

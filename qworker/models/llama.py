@@ -19,9 +19,13 @@ from torch import nn
 from qworker.attention.paged_attention import PagedAttention
 from qworker.models.base import CausalLM, ModelSpec
 from qworker.models.layers import FusedLinear, RMSNorm, activation
-from qworker.models.ops import apply_rope, gated_act
+from qworker.models.ops import gated_act, rotate_qk
 from qworker.models.rope import RotaryEmbedding
 from qworker.models.weights import StackedRule, check_all_loaded, load_weights
+
+#: The step's RoPE state: positions, cos/sin tables, and the cos/sin gathered at the first
+#: layer that needs them (``qworker.models.ops.rotate_qk``).
+RopeStep = tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], list[torch.Tensor]]
 
 
 def _head_dim(config: Any) -> int:
@@ -74,10 +78,9 @@ class LlamaAttention(nn.Module):
         """This layer's attention window in tokens (None: full attention)."""
         return self.attn.sliding_window
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                ) -> torch.Tensor:
-        """Project, rotate by the step's ``cos``/``sin``, attend (cache write included),
-        project out."""
+    def forward(self, hidden: torch.Tensor, rope: RopeStep) -> torch.Tensor:
+        """Project, rotate (``rope``: the step's positions, tables and cos/sin cache),
+        attend (cache write included), project out."""
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.split_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -85,7 +88,8 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        out = self.attn(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+        q, k = rotate_qk(q, k, *rope)
+        out = self.attn(q, k, v)
         return self.o_proj(out)
 
 
@@ -119,15 +123,15 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
-                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RopeStep
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the block; returns ``(mlp output, residual)`` whose sum is the block's output."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm.add(hidden, residual)
-        hidden = self.self_attn(hidden, cos, sin)
+        hidden = self.self_attn(hidden, rope)
         hidden, residual = self.post_attention_layernorm.add(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -148,10 +152,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Final hidden states of the step's flattened tokens."""
         hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, hidden)
+        rope: RopeStep = (positions, self.rotary.tables(hidden), [])  # shared by the layers
         residual: torch.Tensor | None = None
         for layer in self.layers:
-            hidden, residual = layer(hidden, residual, cos, sin)
+            hidden, residual = layer(hidden, residual, rope)
         if residual is None:
             return self.norm(hidden)
         return self.norm.add(hidden, residual)[0]

@@ -97,7 +97,9 @@ class RotaryEmbedding(nn.Module):
         self._cos = self._cos_cpu
         self._sin = self._sin_cpu
 
-    def _tables(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos/sin tables ``[max_positions, rotary_dim / 2]`` in ``like``'s dtype and
+        device (moved there once)."""
         if self._cos.device != like.device or self._cos.dtype != like.dtype:
             self._cos = self._cos_cpu.to(device=like.device, dtype=like.dtype)
             self._sin = self._sin_cpu.to(device=like.device, dtype=like.dtype)
@@ -107,7 +109,7 @@ class RotaryEmbedding(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin ``[num_tokens, 1, rotary_dim / 2]`` of ``positions`` in ``like``'s
         dtype and device: gathered once per step and shared by every layer."""
-        cos_t, sin_t = self._tables(like)
+        cos_t, sin_t = self.tables(like)
         return cos_t[positions].unsqueeze(1), sin_t[positions].unsqueeze(1)
 
     def forward(

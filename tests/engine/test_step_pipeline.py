@@ -113,3 +113,21 @@ def test_abort_while_a_step_is_in_flight(tiny_llama_dir: Path) -> None:
 def test_which_params_need_the_host_history() -> None:
     assert not needs_host_history(SamplingParams(temperature=0.8, seed=1, logprobs=2))
     assert needs_host_history(SamplingParams(repetition_penalty=1.2))
+
+
+def test_blocks_completed_by_a_pending_token_are_cached_with_the_right_tokens(
+    tiny_llama_dir: Path,
+) -> None:
+    # Turn 2's prompt is turn 1's prompt + answer: its leading blocks, including those
+    # completed by tokens that were pending when their step launched, come from the cache.
+    llm = _llm(tiny_llama_dir, True, block_size=8, num_kv_blocks=48)
+    first = random_prompts(1, 13, 13, seed=9)[0]
+    params = SamplingParams(temperature=0, max_tokens=19, ignore_eos=True)
+    (out,) = llm.generate([first], params, use_tqdm=False)
+    second = first + out.outputs[0].token_ids + [7, 8, 9]
+    hits_before = llm.stats().prefix_cache_hits
+    (again,) = llm.generate([second], params, use_tqdm=False)
+    # 4 full blocks of 8: with overlap even the last answer token's KV was computed (by
+    # the discarded step after it), so block 4 is complete and cached too
+    assert llm.stats().prefix_cache_hits - hits_before == 32
+    assert again.outputs[0].token_ids == hf_greedy(tiny_llama_dir, second, 19)
