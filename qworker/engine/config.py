@@ -21,6 +21,7 @@ KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 PREEMPTION_MODES = ("recompute", "swap")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "cuda")
 BLOCK_SIZES = (8, 16, 32)
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +90,8 @@ class EngineConfig:
                                   "are identical either way)")
     served_model_name: str | None = knob(
         None, "the model name results report; default: the model dir's or hub id's last part")
+    load_format: str = knob("auto", "how weights are read; dummy = only config.json, random "
+                            "weights made on the device (benchmarks)", choices=LOAD_FORMATS)
     seed: int = knob(0, "engine seed (unseeded sampling draws from it)")
     tokenizer: str | None = knob(None, "tokenizer dir or hub id; default: the model's")
 

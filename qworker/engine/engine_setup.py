@@ -83,7 +83,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     dtype = resolve_dtype(config.dtype, device)
     if config.seed is not None:
         torch.manual_seed(config.seed)
-    loaded = load_model(config.model, dtype, device)
+    loaded = load_model(config.model, dtype, device, load_format=config.load_format)
     spec = loaded.spec
     tokenizer = load_tokenizer(config.tokenizer or loaded.source)
     max_model_len = config.max_model_len or spec.max_position_embeddings
