@@ -1,4 +1,4 @@
-"""The error hierarchy: one class per result error code of DESIGN.md.
+"""The error hierarchy: one class per result error code (docs/formats.md, "Error lines").
 
 Validation errors subclass ``ValueError`` and name the offending field, so
 ``LLM.generate`` callers can catch plain ``ValueError`` while the worker maps

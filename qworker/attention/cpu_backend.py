@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from qworker.attention.backend import AttentionBackend, AttentionMetadata, KVCache
+from qworker.attention.fp8 import is_fp8
 from qworker.attention.sdpa_prefill import sdpa_prefill
 from qworker.attention.torch_ref import TorchAttentionBackend
 
@@ -132,8 +133,12 @@ class CpuAttentionBackend(AttentionBackend):
     # ---- cache writes ----------------------------------------------------------------
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                 value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Scatter new K/V rows into their slots; padding slots (-1) are skipped."""
+                 value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 kv_scales: torch.Tensor | None = None) -> None:
+        """Scatter new K/V rows into their slots; padding slots (-1) are skipped. An FP8
+        cache goes through the reference (quantization and calibration live there)."""
+        if is_fp8(key_cache.dtype):
+            return self._ref.write_kv(key, value, key_cache, value_cache, slot_mapping, kv_scales)
         cached = self._slots
         block_size = key_cache.shape[2]
         if cached is None or cached[0] is not slot_mapping or cached[1] != block_size:
@@ -151,10 +156,9 @@ class CpuAttentionBackend(AttentionBackend):
     # ---- attention ---------------------------------------------------------------------
 
     def _build_plan(self, meta: AttentionMetadata, block_size: int) -> _Plan:
-        starts = meta.query_start_loc_cpu
-        lens = meta.seq_lens_cpu
-        if starts is None or lens is None:
-            starts, lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
+        starts, lens = meta.host_query_start_loc, meta.host_seq_lens
+        starts = meta.query_start_loc.tolist() if starts is None else list(starts)
+        lens = meta.seq_lens.tolist() if lens is None else list(lens)
         decode = None
         if meta.num_decodes:
             decode = _decode_plan(meta.block_tables, lens[: meta.num_decodes], block_size,
@@ -162,8 +166,12 @@ class CpuAttentionBackend(AttentionBackend):
         return _Plan(decode, starts, lens)
 
     def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Causal attention of every query row over its sequence's cached context."""
+                meta: AttentionMetadata, scale: float,
+                kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal attention of every query row over its sequence's cached context (an FP8
+        cache through the reference, which dequantizes)."""
+        if is_fp8(key_cache.dtype):
+            return self._ref.forward(query, key_cache, value_cache, meta, scale, kv_scales)
         block_size = key_cache.shape[2]
         if self._step is not meta.slot_mapping:
             self._step, self._plans = meta.slot_mapping, {}

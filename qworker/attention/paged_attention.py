@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,21 +29,27 @@ from qworker.attention.backend import AttentionBackend, AttentionMetadata, KVCac
 class _State(threading.local):
     meta: AttentionMetadata | None = None
     by_window: dict[int | None, AttentionMetadata] | None = None
+    plans: dict[int | None, Any] | None = None
 
 
 _STATE = _State()
 
 
 @contextlib.contextmanager
-def forward_context(meta: AttentionMetadata) -> Iterator[AttentionMetadata]:
+def forward_context(meta: AttentionMetadata,
+                    decode_plans: dict[int | None, Any] | None = None
+                    ) -> Iterator[AttentionMetadata]:
     """Make ``meta`` the current step's metadata for every ``PagedAttention`` layer (this
-    thread) until the block ends; contexts nest (the outer one is restored)."""
-    saved = (_STATE.meta, _STATE.by_window)
-    _STATE.meta, _STATE.by_window = meta, {meta.sliding_window: meta}
+    thread) until the block ends; contexts nest (the outer one is restored).
+
+    ``decode_plans`` (CUDA-graph capture) gives each sliding window its fixed decode
+    launch plan (``AttentionMetadata.decode_plan``)."""
+    saved = (_STATE.meta, _STATE.by_window, _STATE.plans)
+    _STATE.meta, _STATE.by_window, _STATE.plans = meta, {}, decode_plans
     try:
         yield meta
     finally:
-        _STATE.meta, _STATE.by_window = saved
+        _STATE.meta, _STATE.by_window, _STATE.plans = saved
 
 
 def current_metadata(sliding_window: int | None) -> AttentionMetadata:
@@ -53,8 +60,15 @@ def current_metadata(sliding_window: int | None) -> AttentionMetadata:
                            "runner sets the step's metadata around each forward")
     meta = by_window.get(sliding_window)
     if meta is None:
-        # Tensors are shared: only the window differs, and only once per step and window.
-        meta = dataclasses.replace(_STATE.meta, sliding_window=sliding_window)
+        # Tensors are shared: only the window (and its fixed plan) differs, made once per
+        # step and window.
+        meta = _STATE.meta
+        plans = _STATE.plans
+        if plans is not None:
+            meta = dataclasses.replace(meta, sliding_window=sliding_window,
+                                       decode_plan=plans.get(sliding_window))
+        elif meta.sliding_window != sliding_window:
+            meta = dataclasses.replace(meta, sliding_window=sliding_window)
         by_window[sliding_window] = meta
     return meta
 

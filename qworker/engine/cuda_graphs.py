@@ -8,11 +8,12 @@ steps, and decode batches above the largest bucket, run eagerly.
 
 Capture comes after a warm-up forward of the same bucket (kernel compilation, cupy's
 context, RoPE tables on the device: nothing may initialise inside a capture). The
-captured metadata has ``cuda_graph=True``, ``max_seq_len = max_model_len`` (launch
-sizes cover any context the graph will meet) and no host copies of the lengths: a
-graph cannot depend on host values (see ``qworker/attention/backend.py``). All
-graphs share one memory pool; ``capture_all`` reports the device memory they hold,
-which pool sizing subtracts (``engine_setup``).
+captured metadata has ``max_seq_len = max_model_len``, no host copies of the lengths
+(a graph cannot depend on host values) and, per sliding window, the backend's fixed
+decode plan for the bucket (``AttentionMetadata.decode_plan``: a grid that does not
+depend on the step, see ``qworker/attention/backend.py``). All graphs share one memory
+pool; ``capture_all`` reports the device memory they hold, which pool sizing subtracts
+(``engine_setup``).
 
 ``graph_factory`` stands in for ``torch.cuda.CUDAGraph`` in CPU tests: a graph that
 re-runs its captured function on replay reads the same static buffers, so padding,
@@ -68,18 +69,25 @@ def cuda_graph_factory(fn: Callable[[], torch.Tensor], pool: Any) -> tuple[Graph
     return graph, out
 
 
+#: The fixed decode plans of one bucket, per sliding window (None: full attention).
+PlanFactory = Callable[[int], dict[int | None, Any]]
+
+
 @dataclass(slots=True)
 class _Captured:
     graph: Graph
     output: torch.Tensor  # hidden states [bucket, hidden], rewritten by every replay
+    plans: dict[int | None, Any] | None  # kept alive: the graph uses their workspaces
 
 
 class CudaGraphRunner:
     """Captures and replays the model's decode forward per batch-size bucket."""
 
     def __init__(self, model: torch.nn.Module, inputs: StepInputBuilder, sizes: list[int],
-                 max_model_len: int, graph_factory: GraphFactory | None = None) -> None:
+                 max_model_len: int, graph_factory: GraphFactory | None = None,
+                 plan_factory: PlanFactory | None = None) -> None:
         self.model = model
+        self._plans = plan_factory
         self.inputs = inputs
         self.sizes = sorted(sizes)
         self.max_model_len = max_model_len
@@ -116,13 +124,14 @@ class CudaGraphRunner:
         before = _free_bytes() if on_gpu else 0
         for size in sorted(self.sizes, reverse=True):
             prepared = self.inputs.build(_dummy_decode(size))
-            meta = replace(prepared.meta, max_seq_len=self.max_model_len, cuda_graph=True,
-                           query_start_loc_cpu=None, seq_lens_cpu=None)
+            meta = replace(prepared.meta, max_seq_len=self.max_model_len,
+                           host_query_start_loc=None, host_seq_lens=None)
             ids, pos = prepared.input_ids, prepared.positions
+            plans = self._plans(size) if self._plans is not None else None
 
-            def run(meta: Any = meta, ids: torch.Tensor = ids,
-                    pos: torch.Tensor = pos) -> torch.Tensor:
-                with forward_context(_fresh(meta)):
+            def run(meta: Any = meta, ids: torch.Tensor = ids, pos: torch.Tensor = pos,
+                    plans: dict[int | None, Any] | None = plans) -> torch.Tensor:
+                with forward_context(_fresh(meta), plans):
                     return self.model(ids, pos)
 
             with torch.inference_mode():
@@ -130,7 +139,7 @@ class CudaGraphRunner:
                 if on_gpu:
                     torch.cuda.synchronize(self.inputs.device)
                 graph, out = self._factory(run, pool)
-            self._graphs[size] = _Captured(graph, out)
+            self._graphs[size] = _Captured(graph, out, plans)
         self._generation = self.inputs.generation
         if on_gpu:
             torch.cuda.synchronize(self.inputs.device)

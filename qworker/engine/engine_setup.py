@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from qworker.attention.fp8 import kv_storage_dtype
 from qworker.attention.select import select_backend
 from qworker.engine.config import EngineConfig, check_config
 from qworker.engine.cuda_graphs import graph_batch_sizes
@@ -76,9 +77,6 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
 
     started = time.perf_counter()
     check_config(config)
-    if config.kv_cache_dtype != "auto":
-        raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} is not available in this "
-                         "build yet; use 'auto'")
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     if config.seed is not None:
@@ -100,7 +98,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     blocks_per_seq = -(-max_model_len // bs)
     probe_blocks = -(-min(max_model_len, config.max_num_batched_tokens) // bs) + 1
     first_blocks = config.num_kv_blocks or probe_blocks
-    runner = ModelRunner(loaded.model, spec, device, bs, first_blocks, backend,
+    kv_dtype = kv_storage_dtype(config.kv_cache_dtype, spec.dtype)
+    runner = ModelRunner(loaded.model, spec, device, bs, first_blocks, backend, kv_dtype,
                          max_num_seqs=config.max_num_seqs,
                          max_num_batched_tokens=config.max_num_batched_tokens,
                          max_model_len=max_model_len)

@@ -9,12 +9,18 @@ buffers of ``step_inputs`` (no host-device round trip), the forward inside the s
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
 from qworker.attention.backend import AttentionBackend, KVCache
-from qworker.attention.paged_attention import bind_kv_cache, forward_context, unbind_kv_cache
-from qworker.engine.cuda_graphs import CudaGraphRunner, GraphFactory
+from qworker.attention.paged_attention import (
+    attention_layers,
+    bind_kv_cache,
+    forward_context,
+    unbind_kv_cache,
+)
+from qworker.engine.cuda_graphs import CudaGraphRunner, GraphFactory, PlanFactory
 from qworker.engine.step_inputs import PreparedStep, StepInput, StepInputBuilder
 from qworker.models.base import CausalLM, ModelSpec
 
@@ -36,6 +42,7 @@ class ModelRunner:
         block_size: int,
         num_blocks: int,
         backend: AttentionBackend,
+        kv_dtype: torch.dtype | None = None,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
@@ -45,6 +52,8 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.backend = backend
+        # the cache's element type: the model dtype, or FP8 (kv_cache_dtype, qworker.attention.fp8)
+        self.kv_dtype = kv_dtype or spec.dtype
         max_len = max_model_len or spec.max_position_embeddings
         self.inputs = StepInputBuilder(device, block_size, max_num_batched_tokens,
                                        max_num_seqs, -(-max_len // block_size))
@@ -57,7 +66,7 @@ class ModelRunner:
         spec = self.spec
         return KVCache.allocate(
             spec.num_layers, num_blocks, spec.num_kv_heads, self.block_size, spec.head_dim,
-            spec.dtype, self.device,
+            self.kv_dtype, self.device,
         )
 
     def reallocate_pool(self, num_blocks: int) -> None:
@@ -77,14 +86,14 @@ class ModelRunner:
             spec = self.spec
             self.swap_cache = KVCache.allocate(
                 spec.num_layers, num_blocks, spec.num_kv_heads, self.block_size, spec.head_dim,
-                spec.dtype, "cpu", pin_memory=self.device.type == "cuda",
+                self.kv_dtype, "cpu", pin_memory=self.device.type == "cuda",
             )
 
     def bytes_per_block(self) -> int:
         """Bytes one block costs across all layers, keys and values."""
         spec = self.spec
         return KVCache.bytes_per_block(
-            spec.num_layers, spec.num_kv_heads, self.block_size, spec.head_dim, spec.dtype
+            spec.num_layers, spec.num_kv_heads, self.block_size, spec.head_dim, self.kv_dtype
         )
 
     # ---- block movement ------------------------------------------------------------
@@ -118,10 +127,37 @@ class ModelRunner:
     def enable_cuda_graphs(self, sizes: list[int], max_model_len: int,
                            graph_factory: GraphFactory | None = None) -> int:
         """Capture the decode forward for every batch size in ``sizes`` (after the pool is
-        final: graphs hold its addresses); returns the device bytes they hold."""
+        final: graphs hold its addresses); returns the device bytes they hold. Needs a
+        backend with fixed decode plans (``plan_decode``: the CUDA kernels) unless a test
+        passes its own ``graph_factory``; otherwise graphs stay off (logged)."""
+        plans = self._plan_factory(max_model_len)
+        if plans is None and graph_factory is None:
+            logger.info("CUDA graphs off: attention backend %s cannot be captured",
+                        self.backend.name)
+            return 0
+        try:
+            if plans is not None:
+                plans(1)
+        except ValueError as exc:  # e.g. no tensor-core decode for this dtype / head size
+            logger.info("CUDA graphs off: %s", exc)
+            return 0
         self.graphs = CudaGraphRunner(self.model, self.inputs, sizes, max_model_len,
-                                      graph_factory)
+                                      graph_factory, plans)
         return self.graphs.capture_all()
+
+    def _plan_factory(self, max_model_len: int) -> PlanFactory | None:
+        """Per bucket size, the backend's fixed decode plan of each sliding window."""
+        plan_decode = getattr(self.backend, "plan_decode", None)
+        if plan_decode is None:
+            return None
+        spec, windows = self.spec, {a.sliding_window for a in attention_layers(self.model)}
+
+        def make(size: int) -> dict[int | None, Any]:
+            return {w: plan_decode(size, max_model_len, spec.num_q_heads, spec.num_kv_heads,
+                                   spec.head_dim, spec.dtype, kv_cache_dtype=self.kv_dtype,
+                                   sliding_window=w, device=self.device) for w in windows}
+
+        return make
 
     def drop_cuda_graphs(self) -> None:
         """Release the captured graphs (eager forwards from now on)."""

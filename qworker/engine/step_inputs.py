@@ -248,8 +248,8 @@ class StepInputBuilder:
             slot_mapping=d64[2 * t : 3 * t],
             max_query_len=int(q_lens.max()) if num_seqs else 0,
             max_seq_len=int(seq_lens.max()) if num_seqs else 0,
-            query_start_loc_cpu=qsl.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
+            host_query_start_loc=qsl.tolist(),
+            host_seq_lens=seq_lens.tolist(),
         )
         return PreparedStep(
             input_ids=input_ids,

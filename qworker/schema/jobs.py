@@ -1,4 +1,4 @@
-"""Job messages in: parse and validate one raw message into a ``Job`` (DESIGN.md formats).
+"""Job messages in: parse and validate one raw message into a ``Job`` (docs/formats.md, "Jobs").
 
 ``parse_job`` turns one raw message into a ``ParsedJob``: a valid ``Job``, an
 ``invalid_request`` error to record under the job's custom_id, or a dead-letter

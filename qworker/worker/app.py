@@ -41,7 +41,7 @@ async def serve(settings: WorkerSettings) -> tuple[int, RunSummary]:
     loop = asyncio.get_running_loop()
     drain = DrainControl()
     drain.install(loop)
-    metrics = WorkerMetrics()
+    metrics = WorkerMetrics(settings.metrics_max_batches)
     try:
         try:
             port = metrics.serve(settings.metrics_port)

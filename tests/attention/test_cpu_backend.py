@@ -46,8 +46,8 @@ def test_forward_matches_the_reference(q_lens: list[int], seq_lens: list[int], q
 def test_host_lists_in_metadata_give_the_same_result() -> None:
     batch = make_batch([1, 3, 8], [20, 9, 30], 4, 2, 32, 8, torch.float32, seed=3)
     meta = batch.meta
-    with_host = dataclasses.replace(meta, query_start_loc_cpu=meta.query_start_loc.tolist(),
-                                    seq_lens_cpu=meta.seq_lens.tolist())
+    with_host = dataclasses.replace(meta, host_query_start_loc=meta.query_start_loc.tolist(),
+                                    host_seq_lens=meta.seq_lens.tolist())
     backend = CpuAttentionBackend()
     a = backend.forward(batch.query, batch.key_cache, batch.value_cache, meta, 0.3)
     b = CpuAttentionBackend().forward(batch.query, batch.key_cache, batch.value_cache,

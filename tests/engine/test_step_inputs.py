@@ -34,8 +34,8 @@ def _check(builder: StepInputBuilder, step: StepInput) -> None:
     assert prep.input_ids.tolist() == want["ids"]
     assert prep.positions.tolist() == want["pos"]
     assert meta.slot_mapping.tolist() == want["slots"]
-    assert meta.query_start_loc.tolist() == want["starts"] == meta.query_start_loc_cpu
-    assert meta.seq_lens.tolist() == want["lens"] == meta.seq_lens_cpu
+    assert meta.query_start_loc.tolist() == want["starts"] == meta.host_query_start_loc
+    assert meta.seq_lens.tolist() == want["lens"] == meta.host_seq_lens
     for row, table in enumerate(step.block_tables):
         assert meta.block_tables[row, : len(table)].tolist() == table
     q_lens = [len(c) for c in step.token_chunks]
