@@ -21,7 +21,12 @@ from qworker.engine.outputs import RequestMetrics, RequestOutput
 from qworker.engine.sampling_params import SamplingParams
 from qworker.engine.sequence import Request, Sequence, SequenceStatus
 from qworker.engine.stats import EngineStats
-from qworker.engine.step_pipeline import LaunchedStep, StepPipeline, without_finished
+from qworker.engine.step_pipeline import (
+    LaunchedStep,
+    StepPipeline,
+    needs_host_history,
+    without_finished,
+)
 from qworker.errors import ContextLengthExceededError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -149,6 +154,7 @@ class Engine:
             params=params,
             max_tokens=max_tokens,
             metrics=RequestMetrics(arrival_time=arrival_time or time.time()),
+            needs_host_history=needs_host_history(params),
         )
         with self._lock:
             if request_id in self._live_ids:

@@ -122,6 +122,9 @@ class Request:
     metrics: RequestMetrics
     seqs: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0
+    #: Sampling reads the host-side token history (``step_pipeline.needs_host_history``):
+    #: the request's sequences are not sampled while a token of theirs is in flight.
+    needs_host_history: bool = False
 
     @property
     def is_finished(self) -> bool:

@@ -77,8 +77,7 @@ class StepPipeline:
     @staticmethod
     def can_overlap(sched: SchedulerOutput) -> bool:
         """Whether ``sched`` may launch before the step in flight is processed."""
-        return not any(s.num_pending and needs_host_history(s.request.params)
-                       for s in sched.seqs)
+        return not any(s.num_pending and s.request.needs_host_history for s in sched.seqs)
 
     def launch(self, sched: SchedulerOutput, prev: LaunchedStep | None) -> LaunchedStep:
         """Issue ``sched``: block ops, inputs, forward, sampling, the async copy back."""
@@ -88,9 +87,10 @@ class StepPipeline:
         runner.copy_blocks(sched.copies)
         if not sched.seqs:
             return LaunchedStep()
-        order = sorted(range(len(sched.seqs)), key=lambda i: sched.num_new_tokens[i] != 1)
-        seqs = [sched.seqs[i] for i in order]
-        num_new = [sched.num_new_tokens[i] for i in order]
+        seqs, num_new = sched.seqs, sched.num_new_tokens
+        if any(n != 1 for n in num_new):  # decodes first (stable among each kind)
+            order = sorted(range(len(seqs)), key=lambda i: num_new[i] != 1)
+            seqs, num_new = [seqs[i] for i in order], [num_new[i] for i in order]
         chunks: list[list[int]] = []
         computed: list[int] = []
         sample: list[int] = []
