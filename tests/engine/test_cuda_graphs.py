@@ -120,17 +120,19 @@ def test_reallocating_the_pool_drops_the_graphs(tiny_llama_dir: Path) -> None:
 
 
 @pytest.mark.gpu
-def test_graphs_and_eager_give_identical_tokens_on_gpu(tiny_llama_dir: Path) -> None:
+def test_graphs_and_eager_give_identical_tokens_on_gpu(tmp_path: Path) -> None:
     from qworker.engine.llm import LLM
     from qworker.engine.sampling_params import SamplingParams
     from tests.engine.reference import random_prompts
+    from tests.fixtures.models import make_tiny_model_dir
 
-    # bf16: the captured decode needs the tensor-core kernels' fixed plans (fp16/bf16)
+    # bf16, head size 64: the captured decode needs the tensor-core kernels' fixed plans
+    model_dir = make_tiny_model_dir("llama", tmp_path / "m", head_dim=64)
     prompts = random_prompts(12, 3, 40, seed=11)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs = {}
     for eager in (True, False):
-        llm = LLM(str(tiny_llama_dir), device="cuda", dtype="bfloat16", max_model_len=128,
+        llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", max_model_len=128,
                   num_kv_blocks=256, max_num_seqs=8, enforce_eager=eager)
         assert llm.stats().cuda_graphs is (not eager)
         outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params,

@@ -14,9 +14,10 @@ from qworker.models.loader import load_model
 from tests.engine.sync_guard import HostSyncError, no_host_sync
 
 
-def _runner(model_dir: Path, device: str, backend: str = "auto") -> ModelRunner:
+def _runner(model_dir: Path, device: str, backend: str = "auto",
+            dtype: torch.dtype = torch.float32) -> ModelRunner:
     dev = torch.device(device)
-    loaded = load_model(model_dir, torch.float32, dev)
+    loaded = load_model(model_dir, dtype, dev)
     return ModelRunner(loaded.model, loaded.spec, dev, 16, 16, select_backend(backend, dev),
                        max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128)
 
@@ -65,8 +66,13 @@ def test_the_reference_backend_would_fail_the_check(tiny_llama_dir: Path) -> Non
 
 
 @pytest.mark.gpu
-def test_decode_step_on_gpu_never_syncs(tiny_llama_dir: Path) -> None:
-    runner = _runner(tiny_llama_dir, "cuda")
+def test_decode_step_on_gpu_never_syncs(tmp_path: Path) -> None:
+    from tests.fixtures.models import make_tiny_model_dir
+
+    # head size 64 in bf16: the CUDA kernels' path (not the reference's fallback)
+    model_dir = make_tiny_model_dir("llama", tmp_path / "m", head_dim=64)
+    runner = _runner(model_dir, "cuda", dtype=torch.bfloat16)
+    assert runner.backend.name == "cuda"
     steps = _prefill_then_decode_steps(runner)
     runner.execute(steps[0])
     runner.execute(steps[1])
