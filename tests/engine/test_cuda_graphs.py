@@ -138,3 +138,49 @@ def test_graphs_and_eager_give_identical_tokens_on_gpu(tmp_path: Path) -> None:
         outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
                                                                     use_tqdm=False)]
     assert outs[True] == outs[False]
+
+
+def test_capture_with_the_kernels_fixed_decode_plans_replays_like_eager(tmp_path: Path) -> None:
+    # The CUDA backend's real launch code and kernel sources, run by the CPU emulator: the
+    # captured steps carry CudaAttentionBackend.plan_decode plans (one per window and bucket).
+    from qworker.attention.cuda_backend import CudaAttentionBackend
+    from tests.attention.conftest import EMU_LEGACY, EMU_TC_DECODE, EMU_TC_PREFILL
+    from tests.attention.emulator import EmulatedKernels, build, compiler
+    from tests.fixtures.models import make_tiny_model_dir
+
+    if compiler() is None:
+        pytest.skip("no C++ compiler for the kernel emulator")
+    lib = build(EMU_LEGACY, EMU_TC_DECODE, EMU_TC_PREFILL)
+    model_dir = make_tiny_model_dir("llama", tmp_path / "m", head_dim=64)
+    dev = torch.device("cpu")
+
+    def runner() -> ModelRunner:
+        loaded = load_model(model_dir, torch.bfloat16, dev)
+        backend = CudaAttentionBackend(kernels=EmulatedKernels(lib), num_sms=4)
+        return ModelRunner(loaded.model, loaded.spec, dev, 16, 16, backend, max_num_seqs=4,
+                           max_num_batched_tokens=64, max_model_len=64)
+
+    eager, graphed = runner(), runner()
+    GRAPHS.clear()
+    graphed.enable_cuda_graphs([1, 2, 4], 64, graph_factory=rerun_factory)
+    assert graphed.graphs is not None
+    plans = graphed.graphs._graphs[4].plans
+    assert plans is not None and set(plans) == {None}
+    prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 37)), [40, 41, 42]]
+    tables = [[0], [1, 2], [3]]
+    prefill = StepInput(prompts, [0, 0, 0], tables, [1, 1, 1], table_keys=[0, 1, 2])
+    for r in (eager, graphed):
+        r.execute(prefill)
+    lens = [len(p) for p in prompts]
+    for step_no, live in enumerate(([0, 1, 2], [2, 0], [1, 2, 0])):
+        step = StepInput([[50 + step_no] for _ in live], [lens[s] for s in live],
+                         [tables[s] for s in live], [1] * len(live), table_keys=list(live))
+        want, got = eager.execute(step), graphed.execute(step)
+        assert want is not None and got is not None
+        bucket = 4 if len(live) > 2 else 2
+        assert graphed.backend.last_decode is graphed.graphs._graphs[bucket].plans[None].plan
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        for s in live:
+            lens[s] += 1
+    assert sum(g.replays for g in GRAPHS) == 3
