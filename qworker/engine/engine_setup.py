@@ -29,7 +29,7 @@ from qworker.engine.model_runner import DEFAULT_CPU_KV_MEMORY, ModelRunner
 from qworker.engine.output_processor import OutputProcessor
 from qworker.engine.sampler import Sampler
 from qworker.engine.scheduler import Scheduler
-from qworker.models import fused_kernels
+from qworker.models import cpu_gemm, fused_kernels
 from qworker.models.base import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -96,6 +96,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     backend = select_backend(config.attention_backend, device)
     if device.type == "cuda":  # the kernel path has the small ops fused too; "torch" has not
         fused_kernels.enable(fused_kernels.FusedKernels() if backend.name == "cuda" else None)
+    elif backend.name == "cpu" and spec.dtype == torch.float32:
+        _pack_cpu_linears(loaded.model)
     loaded_at = time.perf_counter()
     bs = config.block_size
     blocks_per_seq = -(-max_model_len // bs)
@@ -160,6 +162,18 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         outputs=OutputProcessor(tokenizer, eos, max_model_len),
         max_concurrent_full_length_seqs=fit,
     )
+
+
+def _pack_cpu_linears(model: torch.nn.Module) -> None:
+    """The fast CPU path's linear layers: weights packed for ``qworker.models.cpu_gemm``
+    (kept as they are when its kernel cannot be built here)."""
+    library = cpu_gemm.load()
+    if library is None:
+        return
+    started = time.perf_counter()
+    packed = cpu_gemm.pack_model(model, library)
+    logger.info("CPU GEMM: packed %.1f MiB of linear weights in %.1fs", packed / 2**20,
+                time.perf_counter() - started)
 
 
 def plan_num_blocks(config: EngineConfig, runner: ModelRunner, max_model_len: int,

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qworker.models.ops import add_rms_norm, rms_norm
+from qworker.models.ops import add_rms_norm, linear, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -26,6 +26,15 @@ class RMSNorm(nn.Module):
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(norm(x + residual), x + residual)`` in one fused step."""
         return add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters and checkpoint names) computed through ``ops.linear``,
+    so the CPU's packed-weight kernel serves it once the model is packed."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T + b``."""
+        return linear(x, self.weight, self.bias)
 
 
 class FusedLinear(nn.Module):
@@ -49,7 +58,7 @@ class FusedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T + b`` for all shards at once; split the result with ``split_sizes``."""
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     @property
     def split_sizes(self) -> list[int]:

@@ -13,13 +13,12 @@ from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from qworker.attention.paged_attention import PagedAttention
 from qworker.models.base import CausalLM, ModelSpec
-from qworker.models.layers import FusedLinear, RMSNorm, activation
-from qworker.models.ops import gated_act, rotate_qk
+from qworker.models.layers import FusedLinear, Linear, RMSNorm, activation
+from qworker.models.ops import gated_act, linear, rotate_qk
 from qworker.models.rope import RotaryEmbedding
 from qworker.models.weights import StackedRule, check_all_loaded, load_weights
 
@@ -63,7 +62,7 @@ class LlamaAttention(nn.Module):
             config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=bias
         )
         o_bias = bool(getattr(config, "attention_bias", False)) and config.model_type != "qwen2"
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)
         if config.model_type == "qwen3":
             self.q_norm: RMSNorm | None = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm: RMSNorm | None = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -101,7 +100,7 @@ class LlamaMLP(nn.Module):
         bias = bool(getattr(config, "mlp_bias", False))
         inter = config.intermediate_size
         self.gate_up_proj = FusedLinear(config.hidden_size, {"gate": inter, "up": inter}, bias=bias)
-        self.down_proj = nn.Linear(inter, config.hidden_size, bias=bias)
+        self.down_proj = Linear(inter, config.hidden_size, bias=bias)
         self.act = activation(getattr(config, "hidden_act", "silu"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -182,7 +181,7 @@ class LlamaForCausalLM(CausalLM):
         self.config = config
         self.model = LlamaModel(config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         windows = layer_sliding_windows(config)
         uniform_window = windows[0] if windows and all(w == windows[0] for w in windows) else None
@@ -211,7 +210,7 @@ class LlamaForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Project hidden states ``[n, hidden]`` to fp32 logits ``[n, vocab_size]``."""
-        return F.linear(hidden, self.lm_head.weight).float()
+        return linear(hidden, self.lm_head.weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Fill every parameter from transformers-named tensors; raise if any is missing."""

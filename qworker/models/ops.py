@@ -16,7 +16,18 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from qworker.models.cpu_gemm import packed_of
 from qworker.models.fused_kernels import active_for
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """``x @ weight.T + bias``: through the packed CPU kernel when ``weight`` was packed
+    (``qworker.models.cpu_gemm.pack_model``) and ``x`` is fp32 on the CPU, else ``F.linear``."""
+    packed = packed_of(weight)
+    if packed is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+        return packed.linear(x, bias)
+    return F.linear(x, weight, bias)
 
 
 def act_is_plain(x: torch.Tensor, residual: torch.Tensor) -> bool:

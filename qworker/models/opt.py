@@ -12,12 +12,12 @@ from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from qworker.attention.paged_attention import PagedAttention
 from qworker.models.base import CausalLM, ModelSpec
-from qworker.models.layers import FusedLinear, activation
+from qworker.models.layers import FusedLinear, Linear, activation
+from qworker.models.ops import linear
 from qworker.models.weights import StackedRule, check_all_loaded, load_weights
 
 POSITION_OFFSET = 2
@@ -34,7 +34,7 @@ class OPTAttention(nn.Module):
         dim = config.hidden_size
         bias = bool(getattr(config, "enable_bias", True))
         self.qkv_proj = FusedLinear(dim, {"q": dim, "k": dim, "v": dim}, bias=bias)
-        self.out_proj = nn.Linear(dim, dim, bias=bias)
+        self.out_proj = Linear(dim, dim, bias=bias)
         # Scale 1: queries are scaled before the dot product (not inside it), matching
         # OPT's rounding.
         self.attn = PagedAttention(self.num_heads, self.num_heads, self.head_dim, 1.0, layer_idx)
@@ -56,8 +56,8 @@ class OPTDecoderLayer(nn.Module):
         self.self_attn = OPTAttention(config, layer_idx)
         self.do_layer_norm_before = bool(config.do_layer_norm_before)
         self.self_attn_layer_norm = nn.LayerNorm(dim, elementwise_affine=affine)
-        self.fc1 = nn.Linear(dim, config.ffn_dim, bias=bias)
-        self.fc2 = nn.Linear(config.ffn_dim, dim, bias=bias)
+        self.fc1 = Linear(dim, config.ffn_dim, bias=bias)
+        self.fc2 = Linear(config.ffn_dim, dim, bias=bias)
         self.final_layer_norm = nn.LayerNorm(dim, elementwise_affine=affine)
         self.act = activation(getattr(config, "activation_function", "relu"))
 
@@ -89,11 +89,11 @@ class OPTDecoder(nn.Module):
         self.embed_positions = nn.Embedding(
             config.max_position_embeddings + POSITION_OFFSET, config.hidden_size
         )
-        self.project_in: nn.Linear | None = None
-        self.project_out: nn.Linear | None = None
+        self.project_in: Linear | None = None
+        self.project_out: Linear | None = None
         if proj_dim != config.hidden_size:
-            self.project_in = nn.Linear(proj_dim, config.hidden_size, bias=False)
-            self.project_out = nn.Linear(config.hidden_size, proj_dim, bias=False)
+            self.project_in = Linear(proj_dim, config.hidden_size, bias=False)
+            self.project_out = Linear(config.hidden_size, proj_dim, bias=False)
         self.final_layer_norm: nn.LayerNorm | None = None
         if config.do_layer_norm_before and not getattr(config, "_remove_final_layer_norm", False):
             self.final_layer_norm = nn.LayerNorm(config.hidden_size, elementwise_affine=affine)
@@ -125,7 +125,7 @@ class OPTForCausalLM(CausalLM):
         self.model = OPTModel(config)
         proj_dim = config.word_embed_proj_dim or config.hidden_size
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        self.lm_head = nn.Linear(proj_dim, config.vocab_size, bias=False)
+        self.lm_head = Linear(proj_dim, config.vocab_size, bias=False)
         self.tie_weights()
         self.spec = ModelSpec(
             architecture=type(self).__name__,
@@ -162,7 +162,7 @@ class OPTForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Project hidden states ``[n, hidden]`` to fp32 logits ``[n, vocab_size]``."""
-        return F.linear(hidden, self.lm_head.weight).float()
+        return linear(hidden, self.lm_head.weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Fill every parameter from transformers-named tensors; raise if any is missing."""
