@@ -88,6 +88,10 @@ class EngineConfig:
     async_scheduling: bool = knob(True, "overlap each step's scheduling and output "
                                   "processing with the device's forward (GPU only; outputs "
                                   "are identical either way)")
+    cpu_threads: int | None = knob(
+        None, "CPU: threads for the model's ops; default: the cores this process may use "
+        "less one, left to the worker's event loop and job preparation (at least 1)",
+        unit="threads")
     served_model_name: str | None = knob(
         None, "the model name results report; default: the model dir's or hub id's last part")
     load_format: str = knob("auto", "how weights are read; dummy = only config.json, random "
@@ -155,7 +159,8 @@ def check_knob(name: str, value: Any) -> Any:
         *head, last = map(repr, spec.choices)
         raise ValueError(f"{name} must be {', '.join(head)} or {last}, got {value!r}")
     if name in ("max_num_seqs", "max_num_batched_tokens", "swap_space", "num_kv_blocks",
-                "kv_cache_memory") and value is not None and (not _is_int(value) or value < 1):
+                "kv_cache_memory", "cpu_threads") and value is not None and (
+                    not _is_int(value) or value < 1):
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     if name == "max_model_len" and value is not None and (not _is_int(value) or value < 2):
         raise ValueError(f"max_model_len must be an integer >= 2, got {value!r}")

@@ -13,6 +13,7 @@ pool that cannot hold one ``max_model_len`` sequence is refused with the largest
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +73,22 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def default_cpu_threads() -> int:
+    """The cores this process may run on, less one (at least 1).
+
+    The engine steps on its own thread while the worker's event loop and preparation
+    threads parse, tokenize and store results; intra-op threads on every core make each
+    parallel op wait for whichever thread the OS parked for that other work (on a
+    shared 2-core machine a 9-row decode matmul took 20x longer with 2 threads than
+    with 1; docs/benchmarks.md).
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores - 1)
+
+
 def build_engine_parts(config: EngineConfig) -> EngineParts:
     """Load the model and tokenizer, size the pool, and wire the engine's parts."""
     from qworker.models.loader import load_model, load_tokenizer
@@ -82,6 +99,11 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     dtype = resolve_dtype(config.dtype, device)
     if config.seed is not None:
         torch.manual_seed(config.seed)
+    if device.type == "cpu":
+        threads = config.cpu_threads or default_cpu_threads()
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        logger.info("CPU threads: %d", threads)
     cache = Path(config.model_cache) if config.model_cache else None
     loaded = load_model(config.model, dtype, device, cache_dir=cache,
                         load_format=config.load_format)

@@ -41,6 +41,7 @@ def test_bad_byte_sizes_are_refused(bad: object) -> None:
         ("enforce_eager", "yes", "enforce_eager must be true or false"),
         ("served_model_name", "", "served_model_name must be a non-empty string"),
         ("kv_cache_memory", "lots", "byte size"),
+        ("cpu_threads", 0, "cpu_threads must be an integer >= 1"),
     ],
 )
 def test_bad_knobs_name_themselves(name: str, value: object, message: str) -> None:

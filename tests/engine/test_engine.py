@@ -6,6 +6,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 from qworker.engine.config import EngineConfig
 from qworker.engine.engine import Engine
@@ -204,3 +205,25 @@ def test_bad_engine_settings_are_refused_by_name(tiny_llama_dir: Path) -> None:
         with pytest.raises(ValueError, match=field if field != "attention_backend" else "cuda"):
             Engine(EngineConfig(model=str(tiny_llama_dir), device="cpu", num_kv_blocks=8,
                                 max_model_len=64, **{field: value}))
+
+
+def test_cpu_engine_leaves_a_core_to_the_worker_unless_told(tiny_llama_dir: Path,
+                                                            monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    from qworker.engine import engine_setup
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setattr(engine_setup.os, "sched_getaffinity", lambda _: {0, 1, 2, 3},
+                            raising=False)
+        assert engine_setup.default_cpu_threads() == 3
+        monkeypatch.setattr(engine_setup.os, "sched_getaffinity", lambda _: {0}, raising=False)
+        assert engine_setup.default_cpu_threads() == 1
+        Engine(EngineConfig(model=str(tiny_llama_dir), device="cpu", num_kv_blocks=8,
+                            max_model_len=64))
+        assert torch.get_num_threads() == 1
+        Engine(EngineConfig(model=str(tiny_llama_dir), device="cpu", num_kv_blocks=8,
+                            max_model_len=64, cpu_threads=2))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
