@@ -89,9 +89,10 @@ class EngineConfig:
                                   "processing with the device's forward (GPU only; outputs "
                                   "are identical either way)")
     cpu_threads: int | None = knob(
-        None, "CPU: threads for the model's ops; default: the cores this process may use "
-        "less one, left to the worker's event loop and job preparation (at least 1)",
-        unit="threads")
+        None, "CPU: threads for the model's ops; default: every core this process may use "
+        "for the packed matmuls (their threads share work, so one the OS parks delays "
+        "nothing) and one fewer for torch's other ops, a core left to the worker's event "
+        "loop (at least 1)", unit="threads")
     served_model_name: str | None = knob(
         None, "the model name results report; default: the model dir's or hub id's last part")
     load_format: str = knob("auto", "how weights are read; dummy = only config.json, random "

@@ -73,20 +73,25 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def available_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
 def default_cpu_threads() -> int:
-    """The cores this process may run on, less one (at least 1).
+    """torch's intra-op threads on the CPU: the cores this process may use, less one.
 
     The engine steps on its own thread while the worker's event loop and preparation
     threads parse, tokenize and store results; intra-op threads on every core make each
     parallel op wait for whichever thread the OS parked for that other work (on a
     shared 2-core machine a 9-row decode matmul took 20x longer with 2 threads than
-    with 1; docs/benchmarks.md).
+    with 1; docs/benchmarks.md). The packed matmuls share their work instead of
+    splitting it up front, so they use every core (``qworker.models.cpu_gemm``).
     """
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores - 1)
+    return max(1, available_cores() - 1)
 
 
 def build_engine_parts(config: EngineConfig) -> EngineParts:
@@ -103,7 +108,6 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         threads = config.cpu_threads or default_cpu_threads()
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
-        logger.info("CPU threads: %d", threads)
     cache = Path(config.model_cache) if config.model_cache else None
     loaded = load_model(config.model, dtype, device, cache_dir=cache,
                         load_format=config.load_format)
@@ -119,7 +123,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if device.type == "cuda":  # the kernel path has the small ops fused too; "torch" has not
         fused_kernels.enable(fused_kernels.FusedKernels() if backend.name == "cuda" else None)
     elif backend.name == "cpu" and spec.dtype == torch.float32:
-        _pack_cpu_linears(loaded.model)
+        gemm_threads = _pack_cpu_linears(loaded.model, config.cpu_threads or available_cores())
+        logger.info("CPU threads: %d for torch's ops, %s for the packed matmuls",
+                    torch.get_num_threads(), gemm_threads or "none (torch's matmul)")
     loaded_at = time.perf_counter()
     bs = config.block_size
     blocks_per_seq = -(-max_model_len // bs)
@@ -186,16 +192,19 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     )
 
 
-def _pack_cpu_linears(model: torch.nn.Module) -> None:
-    """The fast CPU path's linear layers: weights packed for ``qworker.models.cpu_gemm``
-    (kept as they are when its kernel cannot be built here)."""
+def _pack_cpu_linears(model: torch.nn.Module, threads: int) -> int:
+    """The fast CPU path's linear layers: weights packed for ``qworker.models.cpu_gemm``,
+    run on ``threads`` threads; returns the threads in use, 0 (weights kept as they are)
+    when its kernel cannot be built here."""
     library = cpu_gemm.load()
     if library is None:
-        return
+        return 0
+    threads = library.set_threads(threads)
     started = time.perf_counter()
     packed = cpu_gemm.pack_model(model, library)
     logger.info("CPU GEMM: packed %.1f MiB of linear weights in %.1fs", packed / 2**20,
                 time.perf_counter() - started)
+    return threads
 
 
 def plan_num_blocks(config: EngineConfig, runner: ModelRunner, max_model_len: int,

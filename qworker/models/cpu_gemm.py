@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_gemm.c")
 #: Attribute of a weight tensor holding its ``PackedWeight``.
 PACKED_ATTR = "qw_packed"
-_FLAGS = ("-O3", "-ffp-contract=fast", "-fPIC", "-shared")
+_FLAGS = ("-O3", "-ffp-contract=fast", "-fPIC", "-shared", "-pthread")
 _LIB_NAME = "libqwgemm.so"
 
 _i64 = ctypes.c_int64
@@ -62,11 +62,21 @@ class GemmLibrary:
         lib.qw_gemm_panel_width.argtypes = []
         lib.qw_gemm_pack.restype = None
         lib.qw_gemm_pack.argtypes = [_ptr, _i64, _i64, _i64, _ptr]
-        lib.qw_gemm.restype = None
-        lib.qw_gemm.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64]
+        lib.qw_gemm_parallel.restype = None
+        lib.qw_gemm_parallel.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64]
+        lib.qw_gemm_set_threads.restype = _i64
+        lib.qw_gemm_set_threads.argtypes = [_i64]
         self._lib = lib
         self.path = path
         self.panel_width = int(lib.qw_gemm_panel_width())
+        self.threads = 1
+
+    def set_threads(self, threads: int) -> int:
+        """Run each matmul on ``threads`` threads (the caller and ``threads - 1`` helpers
+        that share its panels; see ``cpu_gemm.c``); returns the number in use. Results
+        do not depend on it. Not while a matmul runs."""
+        self.threads = int(self._lib.qw_gemm_set_threads(max(1, threads)))
+        return self.threads
 
     def pack(self, weight: torch.Tensor) -> PackedWeight:
         """Pack a CPU fp32 ``[N, K]`` weight (any row stride, unit column stride)."""
@@ -82,11 +92,12 @@ class GemmLibrary:
 
     def gemm(self, packed: PackedWeight, x: torch.Tensor, bias: torch.Tensor | None,
              out: torch.Tensor) -> None:
-        """``out[M, N] = x[M, K] @ W^T + bias`` (x rows unit-strided, out contiguous)."""
-        m = x.shape[0]
-        self._lib.qw_gemm(x.data_ptr(), m, x.stride(0), packed.panels.data_ptr(), packed.n,
-                          packed.k, None if bias is None else bias.data_ptr(),
-                          out.data_ptr(), out.stride(0), 0, packed.num_panels)
+        """``out[M, N] = x[M, K] @ W^T + bias`` (x rows unit-strided, out contiguous); one
+        caller at a time (the engine thread)."""
+        self._lib.qw_gemm_parallel(x.data_ptr(), x.shape[0], x.stride(0),
+                                   packed.panels.data_ptr(), packed.n, packed.k,
+                                   None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                   out.stride(0))
 
 
 @dataclass(slots=True)

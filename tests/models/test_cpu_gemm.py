@@ -133,3 +133,47 @@ def test_a_second_load_reuses_the_cached_build(kernel_cache: Path) -> None:
     cpu_gemm._loaded.pop((kernel_cache, "native"))
     again = cpu_gemm.load(kernel_cache)
     assert again is not None and again.path == library.path
+
+
+def test_threads_share_the_work_without_changing_a_bit(kernel_cache: Path) -> None:
+    library = _library(kernel_cache, "native")
+    gen = torch.Generator().manual_seed(9)
+    w = torch.randn(3000, 300, generator=gen)
+    packed = library.pack(w)
+    xs = [torch.randn(m, 300, generator=gen) for m in (1, 9, 70)]
+    try:
+        library.set_threads(1)
+        alone = [packed.linear(x) for x in xs]
+        assert library.set_threads(3) == 3
+        for x, want in zip(xs, alone, strict=True):
+            assert torch.equal(packed.linear(x), want)
+    finally:
+        library.set_threads(1)
+
+
+def test_concurrent_callers_each_get_their_own_result(kernel_cache: Path) -> None:
+    import threading
+
+    library = _library(kernel_cache, "native")
+    gen = torch.Generator().manual_seed(10)
+    w = torch.randn(2048, 128, generator=gen)
+    packed = library.pack(w)
+    xs = [torch.randn(16, 128, generator=gen) for _ in range(4)]
+    want = [F.linear(x, w) for x in xs]
+    failures: list[int] = []
+
+    def call(i: int) -> None:
+        for _ in range(20):
+            if not torch.allclose(packed.linear(xs[i]), want[i], rtol=1e-4, atol=1e-4):
+                failures.append(i)
+
+    try:
+        library.set_threads(2)
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        library.set_threads(1)
+    assert failures == []
