@@ -8,10 +8,12 @@ snapshot taken at the end of the last step plus what sits in the inbox.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from qworker.engine.config import EngineConfig, served_model_name
@@ -49,6 +51,7 @@ class Engine:
         self.outputs = parts.outputs
         self.max_concurrent_full_length_seqs = parts.max_concurrent_full_length_seqs
         self._lock = threading.Lock()
+        self._batch_lock = threading.Lock()  # held by ``inbox_batch``; the drain waits for it
         self._inbox: list[Request] = []
         self._aborts: list[str] = []
         self._live_ids: set[str] = set()
@@ -162,6 +165,16 @@ class Engine:
             self._live_ids.add(request_id)
             self._inbox.append(request)
 
+    @contextlib.contextmanager
+    def inbox_batch(self) -> Iterator[None]:
+        """Requests added inside the block reach the engine in the same step (any thread).
+
+        A step that would start meanwhile waits for the block to end, so keep the block
+        to the adding itself: nothing inside may wait for the engine thread.
+        """
+        with self._batch_lock:
+            yield
+
     def abort(self, request_id: str) -> None:
         """Abort a request (any thread); its output comes from the next step, "abort"."""
         with self._lock:
@@ -229,7 +242,7 @@ class Engine:
         return outputs
 
     def _drain_inbox(self, finished: list[Request]) -> None:
-        with self._lock:
+        with self._batch_lock, self._lock:
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
         for request in inbox:

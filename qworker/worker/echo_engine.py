@@ -14,10 +14,12 @@ breaks the device), ``hang_after=N`` makes the N-th step with work never return.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from urllib.parse import parse_qs, urlsplit
 
@@ -71,6 +73,7 @@ class EchoEngine:
         self.max_model_len = max_model_len
         self.num_kv_blocks = num_kv_blocks
         self._lock = threading.Lock()
+        self._batch_lock = threading.Lock()
         self._inbox: list[_EchoRequest] = []
         self._running: dict[str, _EchoRequest] = {}
         self._ids: set[str] = set()
@@ -158,6 +161,12 @@ class EchoEngine:
             if request_id in self._running:
                 self._running[request_id].aborted = True
 
+    @contextlib.contextmanager
+    def inbox_batch(self) -> Iterator[None]:
+        """Requests added inside the block join the same step (as ``Engine.inbox_batch``)."""
+        with self._batch_lock:
+            yield
+
     def has_unfinished(self) -> bool:
         """True while any request is queued or running."""
         with self._lock:
@@ -183,7 +192,7 @@ class EchoEngine:
         next step (as in the real engine, whose inbox is drained once per step).
         """
         now = time.time()
-        with self._lock:
+        with self._batch_lock, self._lock:
             for req in self._inbox:
                 self._running[req.request_id] = req
                 req.metrics.first_scheduled_time = now

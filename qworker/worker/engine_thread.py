@@ -10,11 +10,13 @@ dead thread (docs/operations.md, exit 70).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from qworker.engine.outputs import RequestOutput
@@ -43,6 +45,7 @@ class EngineLike(Protocol):
         arrival_time: float | None = None,
     ) -> None: ...
     def encode_chat(self, messages: list[dict]) -> list[int]: ...
+    def inbox_batch(self) -> AbstractContextManager[None]: ...
     def step(self) -> list[RequestOutput]: ...
     def abort(self, request_id: str) -> None: ...
     def has_unfinished(self) -> bool: ...
@@ -100,6 +103,12 @@ class EngineThread:
         with self._lock:
             self._inbox_blocks += math.ceil(len(token_ids) / self._block_size)
         self._wake.set()
+
+    def batch(self) -> AbstractContextManager[None]:
+        """Requests submitted inside the block start in the same engine step (without it
+        the thread, woken by the first, may step before the rest arrive)."""
+        hold = getattr(self.engine, "inbox_batch", None)
+        return hold() if hold is not None else contextlib.nullcontext()
 
     def abort(self, request_id: str) -> None:
         """Abort a request; its output comes back with finish_reason "abort"."""

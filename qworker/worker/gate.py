@@ -60,22 +60,24 @@ class Gate:
         if table.suspects:
             if table.inflight:
                 return  # let the engine empty first: the group must run alone
-            for job in table.suspects.popleft():
-                rid = self._submit(job, None)
-                if rid is not None:
-                    self.isolated.add(rid)
+            with thread.batch():
+                for job in table.suspects.popleft():
+                    rid = self._submit(job, None)
+                    if rid is not None:
+                        self.isolated.add(rid)
             return
-        while table.ready:
-            job = table.ready[0]
-            n_tokens = len(job.prepared.token_ids)
-            growth = self._growth(job)
-            admitted = [entry.growth for entry in table.inflight.values()]
-            need = max(1, math.ceil(n_tokens / self.block_size))
-            if not self.admission.fits(self.engine.stats(), thread.pending_blocks, need,
-                                       admitted, growth, thread.steps, self.block_size):
-                return
-            table.ready.popleft()
-            self._submit(job, growth)
+        with thread.batch():  # the jobs admitted together are prefilled together
+            while table.ready:
+                job = table.ready[0]
+                n_tokens = len(job.prepared.token_ids)
+                growth = self._growth(job)
+                admitted = [entry.growth for entry in table.inflight.values()]
+                need = max(1, math.ceil(n_tokens / self.block_size))
+                if not self.admission.fits(self.engine.stats(), thread.pending_blocks, need,
+                                           admitted, growth, thread.steps, self.block_size):
+                    return
+                table.ready.popleft()
+                self._submit(job, growth)
 
     def _growth(self, job: ReadyJob) -> Growth:
         params = job.prepared.job.params
