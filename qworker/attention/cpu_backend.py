@@ -13,6 +13,10 @@ layer, straight over the pages, with no padding of keys and values:
 * one batched matmul applies the probabilities to each block's values, and an
   ``index_add_`` sums the blocks of each sequence.
 
+With fp32 caches and the CPU kernels built (``qworker.cpu_kernels``), the decodes go
+through ``decode_attention.c`` instead: one task per (sequence, KV head) straight over
+the pages, no gather, on the kernels' thread pool; the torch form above is the fallback.
+
 Prefill chunks (a few per step, long queries) go through torch SDPA over their
 gathered context (``qworker.attention.sdpa_prefill``), FlashAttention-style on CPU.
 Everything derived from the step's metadata (block lists, masks, row maps) is built
@@ -28,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qworker import cpu_kernels
 from qworker.attention.backend import AttentionBackend, AttentionMetadata, KVCache
 from qworker.attention.fp8 import is_fp8
 from qworker.attention.sdpa_prefill import sdpa_prefill
@@ -50,7 +55,8 @@ class _DecodePlan:
 
 @dataclass(slots=True)
 class _Plan:
-    decode: _DecodePlan | None
+    decode: _DecodePlan | None  # the torch form's plan
+    decode_lens: torch.Tensor | None  # int64 [num_decodes]: the kernel's
     starts: list[int]
     lens: list[int]
 
@@ -123,7 +129,10 @@ class CpuAttentionBackend(AttentionBackend):
 
     name = "cpu"
 
-    def __init__(self) -> None:
+    def __init__(self, use_kernels: bool = True) -> None:
+        """``use_kernels``: decode fp32 caches through ``qworker.cpu_kernels`` when they
+        build here (False: always the torch form)."""
+        self._kernels = cpu_kernels.load() if use_kernels else None
         self._ref = TorchAttentionBackend()
         self._step: torch.Tensor | None = None  # the slot_mapping the plans below belong to
         self._plans: dict[tuple[int | None, int], _Plan] = {}
@@ -155,15 +164,35 @@ class CpuAttentionBackend(AttentionBackend):
 
     # ---- attention ---------------------------------------------------------------------
 
-    def _build_plan(self, meta: AttentionMetadata, block_size: int) -> _Plan:
+    def _build_plan(self, meta: AttentionMetadata, block_size: int, kernel: bool) -> _Plan:
         starts, lens = meta.host_query_start_loc, meta.host_seq_lens
         starts = meta.query_start_loc.tolist() if starts is None else list(starts)
         lens = meta.seq_lens.tolist() if lens is None else list(lens)
-        decode = None
-        if meta.num_decodes:
+        decode = decode_lens = None
+        if meta.num_decodes and kernel:
+            decode_lens = torch.tensor(lens[: meta.num_decodes], dtype=torch.int64)
+        elif meta.num_decodes:
             decode = _decode_plan(meta.block_tables, lens[: meta.num_decodes], block_size,
                                   meta.sliding_window)
-        return _Plan(decode, starts, lens)
+        return _Plan(decode, decode_lens, starts, lens)
+
+    def _decode_kernel(self, query: torch.Tensor, key_cache: torch.Tensor,
+                       value_cache: torch.Tensor, meta: AttentionMetadata, lens: torch.Tensor,
+                       scale: float, out: torch.Tensor) -> None:
+        """The first ``len(lens)`` query rows through ``decode_attention.c`` into ``out``."""
+        assert self._kernels is not None
+        tables = meta.block_tables
+        if tables.dtype != torch.int32 or tables.stride(1) != 1:
+            tables = tables.to(torch.int32).contiguous()
+        heads, dim = query.shape[1], query.shape[2]
+        kc, vc = key_cache, value_cache
+        self._kernels.lib.qw_decode_attention(
+            query.data_ptr(), query.stride(0), query.stride(1),
+            kc.data_ptr(), kc.stride(0), kc.stride(1), kc.stride(2),
+            vc.data_ptr(), vc.stride(0), vc.stride(1), vc.stride(2),
+            tables.data_ptr(), tables.stride(0), lens.data_ptr(),
+            lens.shape[0], heads, kc.shape[1], dim, kc.shape[2], meta.sliding_window or 0,
+            scale, out.data_ptr(), out.stride(0), out.stride(1))
 
     def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float,
@@ -175,12 +204,18 @@ class CpuAttentionBackend(AttentionBackend):
         block_size = key_cache.shape[2]
         if self._step is not meta.slot_mapping:
             self._step, self._plans = meta.slot_mapping, {}
-        key = (meta.sliding_window, block_size)
+        kernel = (self._kernels is not None and key_cache.dtype == torch.float32
+                  and query.dtype == torch.float32 and query.stride(2) == 1
+                  and key_cache.stride(3) == 1 and value_cache.stride(3) == 1)
+        key = (meta.sliding_window, block_size, kernel)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = self._build_plan(meta, block_size)
+            plan = self._plans[key] = self._build_plan(meta, block_size, kernel)
         out = torch.empty_like(query)
-        if plan.decode is not None:
+        if plan.decode_lens is not None:
+            self._decode_kernel(query, key_cache, value_cache, meta, plan.decode_lens, scale,
+                                out)
+        elif plan.decode is not None:
             _decode(query, key_cache, value_cache, plan.decode, scale, out)
         if meta.num_decodes < meta.num_seqs:
             if key_cache.dtype != torch.float32:  # the contract's fp32 softmax/accumulation

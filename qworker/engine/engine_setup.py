@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from qworker import cpu_kernels
 from qworker.attention.fp8 import kv_storage_dtype
 from qworker.attention.select import select_backend
 from qworker.engine.config import EngineConfig, check_config
@@ -196,12 +197,12 @@ def _pack_cpu_linears(model: torch.nn.Module, threads: int) -> int:
     """The fast CPU path's linear layers: weights packed for ``qworker.models.cpu_gemm``,
     run on ``threads`` threads; returns the threads in use, 0 (weights kept as they are)
     when its kernel cannot be built here."""
-    library = cpu_gemm.load()
-    if library is None:
+    kernels = cpu_kernels.load()
+    if kernels is None:
         return 0
-    threads = library.set_threads(threads)
+    threads = kernels.set_threads(threads)
     started = time.perf_counter()
-    packed = cpu_gemm.pack_model(model, library)
+    packed = cpu_gemm.pack_model(model, kernels)
     logger.info("CPU GEMM: packed %.1f MiB of linear weights in %.1fs", packed / 2**20,
                 time.perf_counter() - started)
     return threads

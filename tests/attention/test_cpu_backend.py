@@ -30,15 +30,17 @@ CASES = [
 @pytest.mark.parametrize(("q_lens", "seq_lens", "q_heads", "kv_heads", "dim", "block", "window"),
                          CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernels", [True, False], ids=["c-decode", "torch-decode"])
 def test_forward_matches_the_reference(q_lens: list[int], seq_lens: list[int], q_heads: int,
                                        kv_heads: int, dim: int, block: int,
-                                       window: int | None, dtype: torch.dtype) -> None:
+                                       window: int | None, dtype: torch.dtype,
+                                       kernels: bool) -> None:
     batch = make_batch(q_lens, seq_lens, q_heads, kv_heads, dim, block, dtype,
                        sliding_window=window, seed=len(q_lens) + dim)
     scale = dim**-0.5
     ref = REF.forward(batch.query, batch.key_cache, batch.value_cache, batch.meta, scale)
-    out = CpuAttentionBackend().forward(batch.query, batch.key_cache, batch.value_cache,
-                                        batch.meta, scale)
+    out = CpuAttentionBackend(kernels).forward(batch.query, batch.key_cache, batch.value_cache,
+                                               batch.meta, scale)
     assert out.dtype == dtype and out.shape == ref.shape
     assert rel_err(out, ref) < TOLERANCE[dtype]
 
@@ -55,11 +57,12 @@ def test_host_lists_in_metadata_give_the_same_result() -> None:
     assert torch.equal(a, b)
 
 
-def test_per_window_plans_of_one_step_do_not_mix() -> None:
+@pytest.mark.parametrize("kernels", [True, False], ids=["c-decode", "torch-decode"])
+def test_per_window_plans_of_one_step_do_not_mix(kernels: bool) -> None:
     # Qwen2-style: the same step's metadata with and without a window, alternating layers.
     batch = make_batch([1, 12], [40, 12], 4, 2, 16, 8, torch.float32, seed=4)
     windowed = dataclasses.replace(batch.meta, sliding_window=4)
-    backend = CpuAttentionBackend()
+    backend = CpuAttentionBackend(kernels)
     args = (batch.query, batch.key_cache, batch.value_cache)
     for _ in range(2):
         full = backend.forward(*args, batch.meta, 0.25)
@@ -78,3 +81,27 @@ def test_write_kv_matches_the_reference_and_skips_padding_slots(pad: int) -> Non
                                    batch.value_cache, batch.meta.slot_mapping)
     assert torch.equal(batch.key_cache.nan_to_num(7.0), ref_k.nan_to_num(7.0))
     assert torch.equal(batch.value_cache.nan_to_num(7.0), ref_v.nan_to_num(7.0))
+
+
+def test_c_decode_reads_no_slot_past_a_sequence_and_matches_on_threads() -> None:
+    from qworker import cpu_kernels
+
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        pytest.skip("no C compiler here: the torch decode runs (tested above)")
+    batch = make_batch([1] * 12, [3 + 11 * i for i in range(12)], 8, 2, 64, 16, torch.float32,
+                       seed=11)
+    # every cache slot no sequence owns is NaN: one read of it would poison an output
+    args = (batch.query, batch.key_cache, batch.value_cache, batch.meta, 0.125)
+    ref = REF.forward(*args)
+    before = kernels.threads
+    try:
+        kernels.set_threads(1)
+        alone = CpuAttentionBackend().forward(*args)
+        kernels.set_threads(3)
+        shared = CpuAttentionBackend().forward(*args)
+    finally:
+        kernels.set_threads(before)
+    assert torch.isfinite(alone).all()
+    assert rel_err(alone, ref) < TOLERANCE[torch.float32]
+    assert torch.equal(alone, shared)

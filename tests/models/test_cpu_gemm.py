@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import platform
 from pathlib import Path
 
@@ -10,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from qworker import cpu_kernels
 from qworker.models import cpu_gemm
 from qworker.models.layers import FusedLinear, Linear
 from qworker.models.ops import linear
@@ -23,11 +23,11 @@ def kernel_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("cpu_kernels")
 
 
-def _library(cache: Path, march: str) -> cpu_gemm.GemmLibrary:
-    library = cpu_gemm.load(cache, march)
-    if library is None:
-        pytest.skip("no C compiler here: the models keep F.linear (tested below)")
-    return library
+def _library(cache: Path, march: str) -> cpu_kernels.CpuKernels:
+    kernels = cpu_kernels.load(cache, march)
+    if kernels is None:
+        pytest.skip("no C compiler here: the models keep F.linear (tests/cpu_kernels)")
+    return kernels
 
 
 def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
@@ -49,14 +49,14 @@ def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
     ("m", "n", "k"),
     [(1, 64, 16), (9, 960, 576), (7, 100, 33), (6, 1, 5), (13, 129, 1100), (40, 70, 64)],
 )
-def test_kernel_matches_torch_linear_for_any_shape(kernel_cache: Path, march: str, m: int,
+def test_gemm_matches_torch_linear_for_any_shape(kernel_cache: Path, march: str, m: int,
                                                    n: int, k: int) -> None:
     library = _library(kernel_cache, march)
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     w = torch.randn(n, k, generator=gen)
     x = torch.randn(m, k, generator=gen)
     bias = torch.randn(n, generator=gen)
-    packed = library.pack(w)
+    packed = cpu_gemm.pack(library, w)
     _check(packed.linear(x), x, w)
     _check(packed.linear(x, bias), x, w, bias)
     # and as close to the BLAS as two fp32 summation orders can be
@@ -67,7 +67,7 @@ def test_kernel_takes_strided_rows_leading_dims_and_empty_batches(kernel_cache: 
     library = _library(kernel_cache, "native")
     gen = torch.Generator().manual_seed(5)
     w = torch.randn(96, 40, generator=gen)
-    packed = library.pack(w[:, :].t().contiguous().t())  # a column-major weight packs too
+    packed = cpu_gemm.pack(library, w.t().contiguous().t())  # a column-major weight packs too
     wide = torch.randn(5, 100, generator=gen)
     x = wide[:, 10:50]  # rows 100 floats apart
     _check(packed.linear(x), x, w)
@@ -116,64 +116,3 @@ def test_linear_keeps_torch_for_unpacked_weights_and_other_dtypes(kernel_cache: 
         linear(x.bfloat16(), layer.weight)  # ...and the released weight fails loudly
 
 
-def test_no_compiler_means_torch_matmul_and_one_warning(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    monkeypatch.setattr(cpu_gemm, "_compiler", lambda: None)
-    with caplog.at_level(logging.WARNING, logger="qworker.models.cpu_gemm"):
-        assert cpu_gemm.load(tmp_path / "none") is None
-        assert cpu_gemm.load(tmp_path / "none") is None  # remembered, not retried
-    warnings = [r for r in caplog.records if "unavailable" in r.getMessage()]
-    assert len(warnings) == 1
-    assert "no C compiler" in warnings[0].getMessage()
-
-
-def test_a_second_load_reuses_the_cached_build(kernel_cache: Path) -> None:
-    library = _library(kernel_cache, "native")
-    cpu_gemm._loaded.pop((kernel_cache, "native"))
-    again = cpu_gemm.load(kernel_cache)
-    assert again is not None and again.path == library.path
-
-
-def test_threads_share_the_work_without_changing_a_bit(kernel_cache: Path) -> None:
-    library = _library(kernel_cache, "native")
-    gen = torch.Generator().manual_seed(9)
-    w = torch.randn(3000, 300, generator=gen)
-    packed = library.pack(w)
-    xs = [torch.randn(m, 300, generator=gen) for m in (1, 9, 70)]
-    try:
-        library.set_threads(1)
-        alone = [packed.linear(x) for x in xs]
-        assert library.set_threads(3) == 3
-        for x, want in zip(xs, alone, strict=True):
-            assert torch.equal(packed.linear(x), want)
-    finally:
-        library.set_threads(1)
-
-
-def test_concurrent_callers_each_get_their_own_result(kernel_cache: Path) -> None:
-    import threading
-
-    library = _library(kernel_cache, "native")
-    gen = torch.Generator().manual_seed(10)
-    w = torch.randn(2048, 128, generator=gen)
-    packed = library.pack(w)
-    xs = [torch.randn(16, 128, generator=gen) for _ in range(4)]
-    want = [F.linear(x, w) for x in xs]
-    failures: list[int] = []
-
-    def call(i: int) -> None:
-        for _ in range(20):
-            if not torch.allclose(packed.linear(xs[i]), want[i], rtol=1e-4, atol=1e-4):
-                failures.append(i)
-
-    try:
-        library.set_threads(2)
-        threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        library.set_threads(1)
-    assert failures == []

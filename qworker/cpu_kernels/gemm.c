@@ -13,17 +13,20 @@
  * L2 while every row tile of x passes over it (prefill); partial sums go through y
  * in fp32 unchanged.
  *
+ * Threads: qw_gemm_parallel hands chunks of panels to the pool (pool.c); a column's
+ * result does not depend on which thread computes it.
+ *
  * Rounding: each output is one fp32 accumulator summed over k = 0 .. K-1 in order,
  * bias added last; the vector types only batch independent outputs, never reassociate
  * a sum. Tested against torch.nn.functional.linear (tests/models/test_cpu_gemm.py).
  *
  * Portable C (GCC/Clang vector extensions); the vector width follows the target the
- * library is compiled for (qworker/models/cpu_gemm.py compiles it with -march=native).
+ * library is compiled for (qworker/cpu_kernels compiles it with -march=native).
  */
-#include <pthread.h>
-#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "pool.h"
 
 #if defined(__AVX512F__)
 #define VL 16
@@ -141,149 +144,30 @@ void qw_gemm(const float *x, int64_t m, int64_t ldx, const float *packed, int64_
     }
 }
 
-/* ---- a work-sharing pool ------------------------------------------------------------
- *
- * qw_gemm_parallel splits the panels into chunks that the calling thread and up to
- * MAX_HELPERS helper threads claim one at a time from a shared counter. The caller
- * never waits for a helper to start: it claims chunks itself and then waits only for
- * chunks a helper has already claimed. On a machine whose other cores are busy, a
- * parked helper therefore costs nothing beyond the chunk it holds (an OpenMP team
- * instead waits at every barrier for its slowest thread to be scheduled).
- *
- * The claim word packs (job generation, chunk count, next chunk) so that a helper
- * still looking at a finished job can never claim a chunk of the next one; a job's
- * arguments are read only after a successful claim, and the caller does not reuse
- * them before every claimed chunk is done. Helpers spin briefly between jobs (the
- * matmuls of one layer come microseconds apart), then sleep on a condition variable.
- */
-#define MAX_HELPERS 63
-#define SPIN_ITERS 20000
 
 typedef struct {
     const float *x, *packed, *bias;
     float *y;
     int64_t m, ldx, n, k, ldy, panels, chunk;
-} gemm_args;
+} gemm_job;
 
-static gemm_args job;
-static _Atomic uint64_t claim_word;  /* gen:24 | chunks:20 | next:20 */
-static _Atomic int64_t chunks_done;
-static _Atomic uint64_t generation;
-static _Atomic int sleepers;
-static _Atomic int stopping;
-static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_mutex_t job_mu = PTHREAD_MUTEX_INITIALIZER; /* one shared job at a time */
-static pthread_cond_t pool_cv = PTHREAD_COND_INITIALIZER;
-static pthread_t helpers[MAX_HELPERS];
-static int num_helpers;
-
-#define GEN_OF(w) ((w) >> 40)
-#define COUNT_OF(w) (((w) >> 20) & 0xFFFFF)
-#define NEXT_OF(w) ((w) & 0xFFFFF)
-
-static inline void cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
-#endif
+static void gemm_chunk(const void *ctx, int64_t c) {
+    const gemm_job *j = ctx;
+    int64_t p0 = c * j->chunk;
+    int64_t p1 = p0 + j->chunk < j->panels ? p0 + j->chunk : j->panels;
+    qw_gemm(j->x, j->m, j->ldx, j->packed, j->n, j->k, j->bias, j->y, j->ldy, p0, p1);
 }
 
-/* Claim and run chunks of job generation gen until none is left. */
-static void run_chunks(uint64_t gen) {
-    for (;;) {
-        uint64_t w = atomic_load_explicit(&claim_word, memory_order_acquire);
-        if (GEN_OF(w) != (gen & 0xFFFFFF) || NEXT_OF(w) >= COUNT_OF(w)) return;
-        if (!atomic_compare_exchange_weak_explicit(&claim_word, &w, w + 1,
-                                                   memory_order_acq_rel,
-                                                   memory_order_relaxed))
-            continue;
-        int64_t c = (int64_t)NEXT_OF(w);
-        int64_t p0 = c * job.chunk;
-        int64_t p1 = p0 + job.chunk < job.panels ? p0 + job.chunk : job.panels;
-        qw_gemm(job.x, job.m, job.ldx, job.packed, job.n, job.k, job.bias, job.y, job.ldy,
-                p0, p1);
-        atomic_fetch_add_explicit(&chunks_done, 1, memory_order_release);
-    }
-}
-
-static void *helper_main(void *arg) {
-    (void)arg;
-    uint64_t seen = atomic_load(&generation);
-    for (;;) {
-        uint64_t g;
-        int spins = 0;
-        while ((g = atomic_load_explicit(&generation, memory_order_acquire)) == seen) {
-            if (atomic_load_explicit(&stopping, memory_order_relaxed)) return NULL;
-            if (++spins < SPIN_ITERS) {
-                cpu_relax();
-                continue;
-            }
-            pthread_mutex_lock(&pool_mu);
-            atomic_fetch_add(&sleepers, 1);
-            while (atomic_load(&generation) == seen && !atomic_load(&stopping))
-                pthread_cond_wait(&pool_cv, &pool_mu);
-            atomic_fetch_sub(&sleepers, 1);
-            pthread_mutex_unlock(&pool_mu);
-            spins = 0;
-        }
-        seen = g;
-        run_chunks(g);
-    }
-}
-
-/* Start helpers so that gemm work runs on `threads` threads (the caller included);
- * returns the number of threads now in use. */
-int64_t qw_gemm_set_threads(int64_t threads) {
-    pthread_mutex_lock(&job_mu);
-    int want = threads - 1 < 0 ? 0 : (threads - 1 > MAX_HELPERS ? MAX_HELPERS : threads - 1);
-    if (want < num_helpers) {  /* stop them all, restart the wanted number */
-        atomic_store(&stopping, 1);
-        pthread_mutex_lock(&pool_mu);
-        pthread_cond_broadcast(&pool_cv);
-        pthread_mutex_unlock(&pool_mu);
-        for (int i = 0; i < num_helpers; i++) pthread_join(helpers[i], NULL);
-        num_helpers = 0;
-        atomic_store(&stopping, 0);
-    }
-    while (num_helpers < want) {
-        if (pthread_create(&helpers[num_helpers], NULL, helper_main, NULL) != 0) break;
-        num_helpers++;
-    }
-    pthread_mutex_unlock(&job_mu);
-    return num_helpers + 1;
-}
-
-/* qw_gemm over every panel, shared with the helpers; a second concurrent caller runs
- * its matmul alone on its own thread. */
+/* qw_gemm over every panel, in chunks shared by the pool's threads. */
 void qw_gemm_parallel(const float *x, int64_t m, int64_t ldx, const float *packed, int64_t n,
                       int64_t k, const float *bias, float *y, int64_t ldy) {
     int64_t panels = (n + PW - 1) / PW;
-    /* Enough chunks for the threads to even out, each worth a call's overhead. */
-    int64_t work = m * k * PW;            /* multiply-adds in one panel */
-    int64_t min_panels = work >= (1 << 18) ? 1 : ((1 << 18) + work - 1) / work;
-    int64_t chunk = panels / (4 * (num_helpers + 1));
+    /* About four chunks per thread to even out, each worth a claim's overhead. */
+    int64_t per_panel = m * k * PW; /* multiply-adds */
+    int64_t min_panels = per_panel >= (1 << 18) ? 1 : ((1 << 18) + per_panel - 1) / per_panel;
+    int64_t chunk = panels / (4 * qw_pool_threads());
     if (chunk < min_panels) chunk = min_panels;
     if (chunk < 1) chunk = 1;
-    int64_t chunks = (panels + chunk - 1) / chunk;
-    if (num_helpers == 0 || chunks < 2 || chunks > 0xFFFFF ||
-        pthread_mutex_trylock(&job_mu) != 0) {
-        qw_gemm(x, m, ldx, packed, n, k, bias, y, ldy, 0, panels);
-        return;
-    }
-    uint64_t gen = atomic_load(&generation) + 1;
-    job = (gemm_args){x, packed, bias, y, m, ldx, n, k, ldy, panels, chunk};
-    atomic_store_explicit(&chunks_done, 0, memory_order_relaxed);
-    atomic_store_explicit(&claim_word,
-                          ((gen & 0xFFFFFF) << 40) | ((uint64_t)chunks << 20),
-                          memory_order_release);
-    atomic_store(&generation, gen);
-    if (atomic_load(&sleepers) > 0) {
-        pthread_mutex_lock(&pool_mu);
-        pthread_cond_broadcast(&pool_cv);
-        pthread_mutex_unlock(&pool_mu);
-    }
-    run_chunks(gen);
-    while (atomic_load_explicit(&chunks_done, memory_order_acquire) < chunks) cpu_relax();
-    pthread_mutex_unlock(&job_mu);
+    gemm_job j = {x, packed, bias, y, m, ldx, n, k, ldy, panels, chunk};
+    qw_pool_run(gemm_chunk, &j, (panels + chunk - 1) / chunk);
 }
