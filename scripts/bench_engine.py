@@ -129,8 +129,18 @@ def run_qworker(model: str, reqs: list[Req], args: argparse.Namespace,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
                load_format="dummy" if args.dummy else "auto")
+    if args.threads:  # the same thread count on both sides
+        cfg["cpu_threads"] = args.threads
     cfg.update(overrides)
-    engine = Engine(EngineConfig(**cfg))
+    torch_threads = torch.get_num_threads()
+    try:
+        return _run_qworker(EngineConfig(**cfg), reqs)
+    finally:  # the engine sets torch's process-wide count; the baseline keeps its own
+        torch.set_num_threads(torch_threads)
+
+
+def _run_qworker(config: EngineConfig, reqs: list[Req]) -> RunResult:
+    engine = Engine(config)
     warm = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     engine.add_request("warmup", reqs[0].prompt[:8], warm)
     while engine.has_unfinished():
