@@ -41,12 +41,37 @@ static inline vf vload(const float *p) {
 
 static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
+/* Sum of the lanes, pairwise (halves added until one lane is left). */
+static inline float hsum(vf v) {
+#if !defined(__clang__) && (!defined(__GNUC__) || __GNUC__ < 12)
+    float s = 0.0f; /* no __builtin_shufflevector: lane by lane */
+    for (int l = 0; l < VL; l++) s += v[l];
+    return s;
+#else
+#define SH(...) v += __builtin_shufflevector(v, v, __VA_ARGS__)
+#if VL == 16
+    SH(8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    SH(4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    SH(2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    SH(1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+#elif VL == 8
+    SH(4, 5, 6, 7, 0, 1, 2, 3);
+    SH(2, 3, 0, 1, 6, 7, 4, 5);
+    SH(1, 0, 3, 2, 5, 4, 7, 6);
+#else
+    SH(2, 3, 0, 1);
+    SH(1, 0, 3, 2);
+#endif
+#undef SH
+    return v[0];
+#endif
+}
+
 static inline float dot(const float *a, const float *b, int64_t d) {
     vf acc = {0};
     int64_t i = 0;
     for (; i + VL <= d; i += VL) acc += vload(a + i) * vload(b + i);
-    float s = 0.0f;
-    for (int l = 0; l < VL; l++) s += acc[l];
+    float s = hsum(acc);
     for (; i < d; i++) s += a[i] * b[i];
     return s;
 }
