@@ -95,6 +95,7 @@ class Engine:
                 f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} and at "
                 "least one token must be generated"
             )
+        self.sampler.validate(params)  # compiles a structured output grammar (cached)
         return text, ids
 
     def add_request(
@@ -227,6 +228,7 @@ class Engine:
             block_tables=[self.kv.block_ids(s.seq_id) for s in seqs],
             sample=sample,
         )
+        self.sampler.prepare([s for s, smp in zip(seqs, sample, strict=True) if smp])
         logits = runner.execute(step)
         now = time.time()
         rows: list[int] = []
