@@ -127,11 +127,13 @@ class GrammarBackend:
                     raise InvalidRequestError(str(hit))
                 return hit
             future = self._pending.get(key)
+            submitted = future is None
             if future is None:
                 assert self._pool is not None
                 future = self._pool.submit(self._build, key)
                 self._pending[key] = future
-                future.add_done_callback(lambda f, k=key: self._store(k, f))
+        if submitted:  # outside the lock: a finished future runs the callback right here
+            future.add_done_callback(lambda f, k=key: self._store(k, f))
         try:
             return future.result(timeout=self.compile_timeout)
         except concurrent.futures.TimeoutError:

@@ -40,7 +40,9 @@ class StructuredOutputsParams:
 
     def validate(self) -> None:
         """Check the fields; raise ``InvalidRequestError`` naming the first bad one."""
-        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        given = [k for k in KINDS if getattr(self, k) is not None]
+        if self.json_object is False:  # json_object=False means "not this one"
+            given.remove("json_object")
         if len(given) != 1:
             raise InvalidRequestError(
                 "structured_outputs needs exactly one of json, json_object, regex, choice; "
@@ -96,7 +98,8 @@ def _schema_text(schema: Any) -> str:
             f"structured_outputs.json must be a JSON schema object, got {_short(schema)}"
         )
     try:
-        return json.dumps(schema, sort_keys=True, separators=(",", ":"), allow_nan=False,
+        # key order kept: properties are generated in the order the schema declares them
+        return json.dumps(schema, separators=(",", ":"), allow_nan=False,
                           ensure_ascii=False)
     except (TypeError, ValueError, RecursionError) as exc:
         raise InvalidRequestError(
