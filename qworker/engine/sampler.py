@@ -130,8 +130,11 @@ class Sampler:
         lp_rows = [i for i, r in enumerate(rows) if r.logprobs >= 0]
         raw_lp = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
 
-        x = logits.clone()
         pen_rows = [i for i, r in enumerate(rows) if r.penalized]
+        masks = self._grammar.masks(seqs) if self._grammar is not None else None
+        short = [i for i, r in enumerate(rows) if r.min_tokens > pos[i]]
+        # the stages below work in place: on a copy, never on the caller's logits
+        x = logits.clone() if pen_rows or short or masks is not None else logits
         slots = None
         if pen_rows:
             counts = self._token_counts(vocab, dev)
@@ -140,8 +143,8 @@ class Sampler:
                          np.array([rows[i].repetition_penalty for i in pen_rows]),
                          np.array([rows[i].presence_penalty for i in pen_rows]),
                          np.array([rows[i].frequency_penalty for i in pen_rows]))
-        masks = self._grammar.masks(seqs) if self._grammar is not None else None
-        self._ban_until_min_tokens(x, seqs, rows, pos, masks)
+        if short:
+            self._ban_until_min_tokens(x, seqs, short, masks)
         if masks is not None:
             allowed = unpack_allowed(masks.words, vocab, dev)
             index = masks.index
@@ -175,16 +178,13 @@ class Sampler:
             self._counts = TokenCounts(dev, vocab)
         return self._counts
 
-    def _ban_until_min_tokens(self, x: torch.Tensor, seqs: list[Sequence], rows: list[Any],
-                              pos: np.ndarray, masks: Any) -> None:
-        """``-inf`` for EOS and stop ids of rows still short of ``min_tokens``.
+    def _ban_until_min_tokens(self, x: torch.Tensor, seqs: list[Sequence], short: list[int],
+                              masks: Any) -> None:
+        """``-inf`` for EOS and stop ids of the rows ``short`` of their ``min_tokens``.
 
         A constrained row whose grammar is complete (only EOS possible) is exempt: the
         grammar's end wins over min_tokens.
         """
-        short = [i for i, r in enumerate(rows) if r.min_tokens > pos[i]]
-        if not short:
-            return
         if masks is not None and masks.stopped.any():
             done = set(masks.rows[masks.stopped].tolist())
             short = [i for i in short if i not in done]
@@ -234,11 +234,11 @@ class Sampler:
             probs = probs.masked_fill(probs < probs.max(dim=-1, keepdim=True).values * m_t, 0.0)
         u = self._uniforms(rows, index, pos)
         cdf = probs.cumsum(dim=-1)
-        target = torch.from_numpy(u).to(dev).unsqueeze(1) * cdf[:, -1:]
-        drawn = torch.searchsorted(cdf, target, right=True).clamp_(max=vocab - 1)
-        # u * total can round up to the total: never land on a zero-probability tail token
-        zero = probs.gather(1, drawn) == 0
-        return torch.where(zero, probs.argmax(dim=-1, keepdim=True), drawn).squeeze(1)
+        # Scaled just below the row's total, u * total stays under the last CDF value even
+        # after rounding, so the first CDF value above it belongs to a token with p > 0.
+        total = cdf[:, -1:] * (1.0 - 2.0**-22)
+        target = torch.from_numpy(u).to(dev).unsqueeze(1) * total
+        return torch.searchsorted(cdf, target, right=True).clamp_(max=vocab - 1).squeeze(1)
 
     def _uniforms(self, rows: list[Any], index: list[int], pos: np.ndarray) -> np.ndarray:
         seeded = np.fromiter((r.seeded for r in rows), dtype=bool, count=len(rows))

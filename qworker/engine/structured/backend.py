@@ -40,6 +40,10 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 _MAX_ERROR_CHARS = 300
 
 
+class CompileFailure(Exception):
+    """Why a spec cannot be compiled, worded to follow the field's name (cached)."""
+
+
 def load_llguidance() -> Any:
     """The ``llguidance`` module, or ``InvalidRequestError`` saying how to get it."""
     try:
@@ -116,15 +120,16 @@ class GrammarBackend:
 
     def compile(self, spec: StructuredOutputsParams) -> Any:
         """The compiled grammar of ``spec`` (cached); ``InvalidRequestError`` naming the
-        problem when the spec is invalid, unsupported or slower than the timeout."""
+        field (``spec.label``) and the problem when the spec is invalid, unsupported or
+        slower to compile than the timeout."""
         self._ensure_ready()
         key = spec.key
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
-                if isinstance(hit, InvalidRequestError):
-                    raise InvalidRequestError(str(hit))
+                if isinstance(hit, CompileFailure):
+                    raise InvalidRequestError(f"{spec.label} {hit}")
                 return hit
             future = self._pending.get(key)
             submitted = future is None
@@ -137,25 +142,23 @@ class GrammarBackend:
         try:
             return future.result(timeout=self.compile_timeout)
         except concurrent.futures.TimeoutError:
-            error = InvalidRequestError(
-                f"structured_outputs.{key[0]}: the grammar did not compile within "
-                f"{self.compile_timeout:g} s; simplify the schema"
-            )
+            failure = CompileFailure(
+                f"did not compile within {self.compile_timeout:g} s; simplify it")
             with self._lock:  # later requests with this spec fail at once, not after a wait
-                self._put(key, error)
-            raise error from None
-        except InvalidRequestError as exc:
-            raise InvalidRequestError(str(exc)) from None
+                self._put(key, failure)
+            raise InvalidRequestError(f"{spec.label} {failure}") from None
+        except CompileFailure as exc:
+            raise InvalidRequestError(f"{spec.label} {exc}") from None
 
     def _store(self, key: tuple[str, str], future: concurrent.futures.Future[Any]) -> None:
         exc = future.exception()
         with self._lock:
             self._pending.pop(key, None)
-            if key in self._cache:  # a timeout already recorded its error
+            if key in self._cache:  # a timeout already recorded its failure
                 return
             if exc is None:
                 self._put(key, future.result())
-            elif isinstance(exc, InvalidRequestError):
+            elif isinstance(exc, CompileFailure):
                 self._put(key, exc)
 
     def _put(self, key: tuple[str, str], value: Any) -> None:
@@ -173,11 +176,9 @@ class GrammarBackend:
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # ValueError, or a Rust panic (a BaseException)
-            raise InvalidRequestError(f"structured_outputs.{kind}: {_clean(exc)}") from None
+            raise CompileFailure(f"is invalid: {_clean(exc)}") from None
         if matcher.is_error():
-            raise InvalidRequestError(
-                f"structured_outputs.{kind} is not supported: {_clean(matcher.get_error())}"
-            )
+            raise CompileFailure(f"is invalid or unsupported: {_clean(matcher.get_error())}")
         self.num_compiled += 1
         return matcher
 

@@ -34,6 +34,9 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None
     _key: tuple[str, str] = field(init=False, repr=False, compare=False, default=("", ""))
+    #: Where the spec came from, for error messages (a job sets e.g.
+    #: ``"body.response_format.json_schema.schema"``); default ``structured_outputs.<kind>``.
+    where: str = field(init=False, repr=False, compare=False, default="")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -77,6 +80,11 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         """Which constraint this is: "json", "json_object", "regex" or "choice"."""
         return self._key[0]
+
+    @property
+    def label(self) -> str:
+        """The field to name in an error about this spec."""
+        return self.where or f"structured_outputs.{self.kind}"
 
     @property
     def key(self) -> tuple[str, str]:
