@@ -15,11 +15,20 @@ import sys
 import threading
 import types
 import typing
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
+from qworker import __version__
+from qworker.batch.commands import (
+    add_parsers as add_batch_parsers,
+)
+from qworker.batch.commands import (
+    collect_command,
+    produce_command,
+    status_command,
+)
 from qworker.config import ENGINE_FIELDS, WorkerSettings
 
 T = TypeVar("T")
@@ -87,8 +96,10 @@ def _settings_error(exc: ValidationError) -> str:
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser (exposed for tests and docs)."""
     parser = argparse.ArgumentParser(
-        prog="qworker", description="GPU batch-inference worker (OpenAI batch format)."
+        prog="qworker", description="GPU batch-inference worker (OpenAI batch format). "
+        "Formats: docs/formats.md; settings: docs/configuration.md."
     )
+    parser.add_argument("--version", action="version", version=f"qworker {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser(
@@ -107,23 +118,17 @@ def build_parser() -> argparse.ArgumentParser:
         "line IN INPUT ORDER. Invalid lines become error lines in the same output. "
         "Progress goes to stderr.",
     )
-    gen.add_argument("-i", "--input", required=True, help="requests.jsonl (OpenAI batch input)")
-    gen.add_argument("-o", "--output", required=True, help="results.jsonl to write")
+    gen.add_argument("-i", "--input", required=True,
+                     help="requests.jsonl (OpenAI batch input; path or s3://bucket/key)")
+    gen.add_argument("-o", "--output", required=True,
+                     help="results.jsonl to write (path or s3://bucket/key)")
     gen.add_argument("--window", type=int, default=256, help="jobs read ahead (default 256)")
-    add_settings_flags(gen, ("model", "max_job_bytes", *ENGINE_FIELDS))
+    gen.add_argument("--resume", action="store_true",
+                     help="keep --output and skip the custom_ids it already holds")
+    add_settings_flags(gen, ("model", "max_job_bytes", "s3_endpoint_url", "aws_region",
+                             *ENGINE_FIELDS))
 
-    prod = sub.add_parser("produce", help="push an OpenAI batch file as jobs to a source URI")
-    prod.add_argument("-i", "--input", required=True, help="requests.jsonl")
-    prod.add_argument("--to", required=True, help="kafka://..., sqs://... or file://...")
-    prod.add_argument("--batch-id", help="set batch_id on every job")
-    add_settings_flags(prod, ("sqs_endpoint_url", "aws_region"))
-
-    col = sub.add_parser("collect", help="merge a batch's stored results into JSONL files")
-    col.add_argument("--from", dest="from_uri", required=True, help="s3://... or file://...")
-    col.add_argument("--batch-id", required=True, help="the batch to collect ('default' if none)")
-    col.add_argument("-o", "--output", required=True, help="results.jsonl")
-    col.add_argument("--errors", help="errors.jsonl (default: errors go to --output too)")
-    add_settings_flags(col, ("s3_endpoint_url", "aws_region"))
+    add_batch_parsers(sub, add_settings_flags)
 
     sub.add_parser("cost", help="cost estimates (see `qworker cost --help`)", add_help=False)
     return parser
@@ -139,13 +144,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = load_settings(args)
     except ValidationError as exc:
         print(_settings_error(exc), file=sys.stderr)
-        return 2
-    handler = {"run": _run, "generate": _generate, "produce": _produce, "collect": _collect}
+        return 1
+    handler = {"run": _run, "generate": _generate, "produce": produce_command,
+               "status": status_command, "collect": collect_command}
     try:
         return handler[args.command](args, settings)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        # Usage or configuration error: one line, exit 1 (docs/formats.md, "Exit codes").
         print(f"qworker {args.command}: {exc}", file=sys.stderr)
-        return 2
+        return 1
 
 
 def _run(args: argparse.Namespace, settings: WorkerSettings) -> int:
@@ -171,11 +178,19 @@ def _generate(args: argparse.Namespace, settings: WorkerSettings) -> int:
     configure_logging("WARNING", "text")
     if args.window < 1:
         raise ValueError("--window must be >= 1")
+    from qworker.batch.files import done_ids, local_path, open_output
+
+    skip_ids, skip_lines = done_ids(args.output, settings) if args.resume else (set(), set())
+    if skip_ids or skip_lines:
+        print(f"generate: resuming: {len(skip_ids) + len(skip_lines)} lines already in "
+              f"{args.output}", file=sys.stderr)
     print(f"generate: loading model {settings.model}", file=sys.stderr)
     engine = build_engine(settings)
-    with open(args.output, "wb") as out:
+    with local_path(args.input, settings) as path, \
+            open_output(args.output, settings, append=args.resume) as out:
         stats = _off_main_thread(
-            lambda: generate_file(engine, args.input, out, args.window, settings.max_job_bytes)
+            lambda: generate_file(engine, path, out, args.window, settings.max_job_bytes,
+                                  skip_ids=skip_ids, skip_lines=skip_lines)
         )
     print(
         f"generate: wrote {stats.ok + stats.errors} lines to {args.output} "
@@ -207,58 +222,6 @@ def _off_main_thread(fn: Callable[[], T]) -> T:
     if errors:
         raise errors[0]
     return result[0]
-
-
-def _produce_items(path: str, batch_id: str | None) -> Iterator[tuple[str | None, bytes]]:
-    import orjson
-
-    with open(path, "rb") as f:
-        for raw in f:
-            body = raw.strip()
-            if not body:
-                continue
-            key = None
-            try:
-                data = orjson.loads(body)
-            except orjson.JSONDecodeError:
-                data = None  # sent as is: the worker dead-letters it
-            if isinstance(data, dict):
-                if isinstance(data.get("custom_id"), str):
-                    key = data["custom_id"]
-                if batch_id is not None:
-                    data["batch_id"] = batch_id
-                    body = orjson.dumps(data)
-            yield key, body
-
-
-def _produce(args: argparse.Namespace, settings: WorkerSettings) -> int:
-    from qworker.worker.sources import produce
-
-    sent = produce(args.to, _produce_items(args.input, args.batch_id), settings)
-    print(f"produce: sent {sent} jobs to {args.to}", file=sys.stderr)
-    return 0
-
-
-def _collect(args: argparse.Namespace, settings: WorkerSettings) -> int:
-    import orjson
-
-    from qworker.worker.sinks import collect
-
-    n_ok = n_err = 0
-    with open(args.output, "wb") as out:
-        errors = open(args.errors, "wb") if args.errors else out  # noqa: SIM115
-        try:
-            for body in collect(args.from_uri, args.batch_id, settings):
-                line = body.strip() + b"\n"
-                is_error = orjson.loads(body).get("error") is not None
-                (errors if is_error else out).write(line)
-                n_err += is_error
-                n_ok += not is_error
-        finally:
-            if errors is not out:
-                errors.close()
-    print(f"collect: {n_ok} results, {n_err} errors for batch {args.batch_id}", file=sys.stderr)
-    return 0
 
 
 def _cost(argv: list[str]) -> int:

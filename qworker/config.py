@@ -14,7 +14,14 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationInfo, create_model, field_validator, model_validator
+from pydantic import (
+    Field,
+    SecretStr,
+    ValidationInfo,
+    create_model,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from qworker.engine.config import EngineConfig, Knob, check_knob, engine_knobs
@@ -97,6 +104,24 @@ class WorkerSettings(EngineSettings):  # type: ignore[misc, valid-type]
     kafka_commit_interval_seconds: float = Field(5.0, description="Kafka commit period")
     kafka_session_timeout_ms: int = Field(10000, description="Kafka consumer session timeout")
     kafka_dlq_topic: str | None = Field(None, description="dead-letter topic (default <topic>.dlq)")
+    # Kafka security (docs/configuration.md, "Kafka security"): worker and `qworker produce`.
+    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        "PLAINTEXT", description="how to reach the brokers (Amazon MSK: SASL_SSL or SSL)"
+    )
+    kafka_sasl_mechanism: (
+        Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"] | None
+    ) = Field(None, description="SASL mechanism; OAUTHBEARER = AWS MSK IAM (the role's "
+              "credentials, tokens signed for aws_region)")
+    kafka_sasl_username: str | None = Field(None, description="SASL PLAIN/SCRAM user name")
+    kafka_sasl_password: SecretStr | None = Field(
+        None, description="SASL PLAIN/SCRAM password (never logged)"
+    )
+    kafka_ssl_cafile: str | None = Field(
+        None, description="PEM CA bundle to verify the brokers (default: the system's)"
+    )
+    kafka_compression: Literal["gzip", "snappy", "lz4", "zstd"] | None = Field(
+        None, description="codec of the jobs `qworker produce` sends (every codec is read)"
+    )
 
 
     @field_validator("source")
@@ -168,6 +193,16 @@ class WorkerSettings(EngineSettings):  # type: ignore[misc, valid-type]
         if value is not None and value < 0:
             raise ValueError(f"must be >= 0, got {value}")
         return value
+
+    @model_validator(mode="after")
+    def _check_kafka_security(self) -> WorkerSettings:
+        if self.kafka_security_protocol != "PLAINTEXT" or self.kafka_sasl_mechanism or (
+            self.kafka_ssl_cafile
+        ):
+            from qworker.worker.sources.kafka_client import KafkaSecurity
+
+            KafkaSecurity.from_settings(self).validate()
+        return self
 
     @model_validator(mode="after")
     def _endpoints_from_aws_env(self) -> WorkerSettings:

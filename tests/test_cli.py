@@ -13,6 +13,7 @@ pytest.importorskip("orjson")
 pytest.importorskip("pydantic_settings")
 
 from qworker.cli import main
+from qworker.schema import error_of
 from tests.worker.jobs import chat_job, completion_job, write_spool
 
 
@@ -50,9 +51,9 @@ def test_generate_with_echo_keeps_input_order_and_reports_errors_inline(
     out = _lines(tmp_path / "out.jsonl")
     assert [r["custom_id"] for r in out] == ["a", None, "b", "c"]
     assert out[0]["response"]["body"]["choices"][0]["text"] == "alpha"
-    assert out[1]["error"]["code"] == "invalid_request"
-    assert out[1]["error"]["message"].startswith("line 2: not valid JSON")
-    assert out[2]["error"]["message"] == "body.temperature must be a finite number >= 0, got -1"
+    assert error_of(out[1])["code"] == "invalid_request"
+    assert error_of(out[1])["message"].startswith("line 2: not valid JSON")
+    assert error_of(out[2])["message"] == "body.temperature must be a finite number >= 0, got -1"
     err = capsys.readouterr().err
     assert "generate: 4/4 done (2 ok, 2 errors)" in err
 
@@ -96,9 +97,11 @@ def test_generate_with_a_tiny_model_as_a_process(tmp_path: Path, tiny_chat_model
     out = _lines(tmp_path / "out.jsonl")
     assert [r["custom_id"] for r in out] == ["q1", "bad", "q2"]
     assert out[0]["response"]["body"]["usage"]["completion_tokens"] == 3
-    assert out[1]["error"] == {
+    assert out[1]["response"]["body"]["error"] == {
         "code": "invalid_request",
         "message": "body.messages must be a non-empty list, got an array []",
+        "param": "messages",
+        "type": "invalid_request_error",
     }
     assert len(out[2]["response"]["body"]["choices"]) == 2
     assert "generate: 3/3 done (2 ok, 1 errors)" in proc.stderr
@@ -159,16 +162,16 @@ def test_produce_then_run_then_collect_over_files(tmp_path: Path) -> None:
     errors = _lines(tmp_path / "errors.jsonl")
     assert sorted(r["custom_id"] for r in results) == [f"j{i}" for i in range(5)]
     assert [e["custom_id"] for e in errors] == ["bad"]
-    assert errors[0]["error"]["code"] == "invalid_request"
+    assert error_of(errors[0])["code"] == "invalid_request"
 
 
-def test_bad_settings_exit_2_with_a_clear_message(capsys) -> None:
-    assert main(["run", "--source", "ftp://x/y"]) == 2
+def test_bad_settings_exit_1_with_a_clear_message(capsys) -> None:
+    assert main(["run", "--source", "ftp://x/y"]) == 1
     err = capsys.readouterr().err
     assert "source (--source / QWORKER_SOURCE): source 'ftp://x/y' must be kafka://" in err
 
 
-def test_missing_source_file_exits_2(tmp_path: Path, capsys) -> None:
+def test_missing_source_file_exits_1(tmp_path: Path, capsys) -> None:
     code = main(
         [
             "run",
@@ -184,7 +187,7 @@ def test_missing_source_file_exits_2(tmp_path: Path, capsys) -> None:
             "",
         ]
     )
-    assert code == 2
+    assert code == 1
     assert "nope.jsonl does not exist" in capsys.readouterr().err
 
 

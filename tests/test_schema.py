@@ -15,7 +15,14 @@ orjson = pytest.importorskip("orjson")
 from qworker.engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from qworker.schema import (  # noqa: E402
     JobKind,
+    conflict_key,
+    conflict_record,
+    error_of,
     error_record,
+    error_record_for,
+    is_error_record,
+    manifest_key,
+    param_of,
     parse_job,
     result_key,
     safe_segment,
@@ -201,15 +208,17 @@ def test_chat_success_record_has_the_openai_batch_shape() -> None:
     resp = record["response"]
     assert resp["status_code"] == 200
     body = resp["body"]
-    assert body["id"] == f"chatcmpl-{resp['request_id']}"
+    assert re.fullmatch(r"req_[0-9a-f]{32}", resp["request_id"])
+    assert body["id"] == f"chatcmpl-{resp['request_id'].removeprefix('req_')}"
     assert (body["object"], body["created"], body["model"]) == ("chat.completion", 123, "smol")
     assert body["choices"] == [
-        {"index": 0, "message": {"role": "assistant", "content": "text0"},
+        {"index": 0, "message": {"role": "assistant", "content": "text0", "refusal": None},
          "finish_reason": "stop", "logprobs": None},
-        {"index": 1, "message": {"role": "assistant", "content": "text1"},
+        {"index": 1, "message": {"role": "assistant", "content": "text1", "refusal": None},
          "finish_reason": "length", "logprobs": None},
     ]
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_completion_record_with_logprobs_has_openai_legacy_shape() -> None:
@@ -235,10 +244,53 @@ def test_chat_logprobs_list_chosen_token_and_top_alternatives() -> None:
     assert [a["token"] for a in first["top_logprobs"]] == ["t5", "t9"]
 
 
-def test_error_record_has_null_response_and_code() -> None:
+def test_expired_record_has_null_response_and_code() -> None:
     record = error_record("c", None, "batch_expired", "too late")
     assert record["response"] is None and record["batch_id"] is None
     assert record["error"] == {"code": "batch_expired", "message": "too late"}
+
+
+def test_request_errors_are_400_responses_naming_the_param() -> None:
+    parsed = parse_job(_chat(temperature=-1))
+    assert parsed.error is not None
+    record = error_record_for("c1", None, parsed.error)
+    assert record["error"] is None
+    response = record["response"]
+    assert response["status_code"] == 400
+    assert re.fullmatch(r"req_[0-9a-f]{32}", response["request_id"])
+    assert response["body"] == {"error": {
+        "message": str(parsed.error), "type": "invalid_request_error",
+        "param": "temperature", "code": "invalid_request"}}
+    assert error_of(record) == {"code": "invalid_request", "message": str(parsed.error),
+                                "status_code": 400, "param": "temperature"}
+
+
+def test_engine_failures_are_500_server_errors() -> None:
+    record = error_record_for("c1", "b", RuntimeError("device-side assert"))
+    assert record["response"]["status_code"] == 500
+    assert record["response"]["body"]["error"] == {
+        "message": "device-side assert", "type": "server_error", "param": None,
+        "code": "engine_error"}
+    assert is_error_record(record) and error_of(record)["code"] == "engine_error"
+
+
+def test_conflict_record_names_both_fingerprints() -> None:
+    record = conflict_record("doc-1", "night", "a" * 64, "b" * 64, {"k": 1})
+    error = error_of(record)
+    assert error is not None and error["code"] == "duplicate_custom_id"
+    assert error["status_code"] == 400 and error["param"] == "custom_id"
+    assert "aaaaaaaaaaaa" in error["message"] and "bbbbbbbbbbbb" in error["message"]
+    assert record["metadata"] == {"k": 1}
+
+
+@pytest.mark.parametrize(
+    ("message", "param"),
+    [("body.messages[0].role must be one of", "messages[0].role"),
+     ("body.response_format.type is bad", "response_format.type"),
+     ("url must be /v1/chat/completions", "url"), ("prompt is 100 tokens", None)],
+)
+def test_param_comes_from_the_field_the_message_names(message: str, param: str | None) -> None:
+    assert param_of(ValueError(message)) == param
 
 
 # ------------------------------------------------------------------ keys
@@ -247,12 +299,18 @@ def test_error_record_has_null_response_and_code() -> None:
 def test_result_key_layout() -> None:
     assert result_key("pre/fix/", "night", "doc-1") == "pre/fix/night/doc-1.json"
     assert result_key("", None, "doc-1") == "default/doc-1.json"
+    assert manifest_key("pre", "night") == "pre/night/_manifest.json"
+    assert (conflict_key("pre", "night", "a/b", "f" * 64)
+            == "pre/night/_conflicts/a%2Fb-ffffffffffff.json")
+    # no custom_id can land on qworker's own names
+    assert result_key("pre", "night", "_manifest") != manifest_key("pre", "night")
 
 
 @pytest.mark.parametrize(
     ("custom_id", "segment"),
     [("a/b", "a%2Fb"), ("..", "%2E%2E"), (".", "%2E"), ("é", "%C3%A9"), ("a b", "a%20b"),
-     ("100%", "100%25"), ("sha256-x", "%73ha256-x")],
+     ("100%", "100%25"), ("sha256-x", "%73ha256-x"), ("_manifest", "%5Fmanifest"),
+     ("a_b", "a_b")],
 )
 def test_unsafe_characters_are_percent_encoded(custom_id: str, segment: str) -> None:
     assert safe_segment(custom_id) == segment
@@ -280,4 +338,5 @@ def test_custom_ids_map_to_safe_distinct_keys(ids: list[str], batch_id: str | No
         assert len(parts) == 3 and parts[0] == "p"
         assert all(part not in ("", ".", "..") for part in parts)
         assert re.fullmatch(r"[A-Za-z0-9._%-]+", parts[1] + parts[2])
+        assert not parts[1].startswith("_") and not parts[2].startswith("_")
         assert len(parts[2].encode()) <= 205

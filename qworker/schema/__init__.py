@@ -1,7 +1,8 @@
-"""Job messages in, result records out: the OpenAI Batch formats of DESIGN.md.
+"""Job messages in, result records out: the OpenAI Batch formats of docs/formats.md.
 
 One module per concept: ``jobs`` parses and validates a raw message (``parse_job``),
-``records`` builds the output lines (``success_record`` / ``error_record``), ``keys``
+``records`` builds the output lines (``success_record`` / ``error_record`` /
+``conflict_record``) and reads them back (``error_of``), ``keys``
 the object key of a result (``result_key``). The names are re-exported here so callers
 import them from ``qworker.schema``.
 """
@@ -16,29 +17,54 @@ from qworker.schema.jobs import (
     ParsedJob,
     parse_job,
 )
-from qworker.schema.keys import DEFAULT_BATCH, MAX_SAFE_BYTES, result_key, safe_segment
+from qworker.schema.keys import (
+    CONFLICTS_DIR,
+    DEFAULT_BATCH,
+    MANIFEST_NAME,
+    MAX_SAFE_BYTES,
+    batch_folder,
+    conflict_key,
+    manifest_key,
+    result_key,
+    safe_segment,
+)
 from qworker.schema.records import (
+    conflict_record,
     dumps,
+    error_of,
     error_record,
     error_record_for,
+    is_error_record,
     new_id,
+    new_request_id,
+    param_of,
     success_record,
 )
 
 __all__ = [
     "CHAT_URL",
     "COMPLETIONS_URL",
+    "CONFLICTS_DIR",
     "DEFAULT_BATCH",
+    "MANIFEST_NAME",
     "MAX_METADATA_DEPTH",
     "MAX_N",
     "MAX_SAFE_BYTES",
     "Job",
     "JobKind",
     "ParsedJob",
+    "batch_folder",
+    "conflict_key",
+    "conflict_record",
     "dumps",
+    "error_of",
     "error_record",
     "error_record_for",
+    "is_error_record",
+    "manifest_key",
     "new_id",
+    "new_request_id",
+    "param_of",
     "parse_job",
     "result_key",
     "safe_segment",

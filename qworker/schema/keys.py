@@ -1,7 +1,9 @@
-"""Object keys of result records: ``<prefix>/<batch>/<safe(custom_id)>.json``.
+"""Object keys of a batch (docs/formats.md, "Object keys").
 
-``safe_segment`` makes any string a safe, injective key segment; ``result_key``
-builds the full key that every sink is given.
+``<prefix>/<batch>/<safe(custom_id)>.json`` holds one result; beside the results,
+qworker's own objects start with ``_`` (``_manifest.json``, ``_conflicts/``), a name
+``safe_segment`` never yields for an id. ``safe_segment`` makes any string a safe,
+injective key segment; ``result_key`` builds the full key every sink is given.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ DEFAULT_BATCH = "default"
 MAX_SAFE_BYTES = 200
 _HASH_MARK = "sha256-"
 _SAFE = re.compile(rb"[A-Za-z0-9._-]")
-
+MANIFEST_NAME = "_manifest.json"
+CONFLICTS_DIR = "_conflicts"
 
 
 def safe_segment(value: str) -> str:
@@ -21,7 +24,8 @@ def safe_segment(value: str) -> str:
 
     Never ``.`` or ``..``; an encoding longer than 200 bytes becomes
     ``sha256-<hex>`` of the UTF-8 value. Injective: a short value that would itself
-    start with ``sha256-`` has its first byte encoded.
+    start with ``sha256-`` has its first byte encoded, and so does a leading ``_``
+    (names starting with ``_`` are qworker's own objects).
     """
     raw = value.encode("utf-8")
     out = "".join(chr(b) if _SAFE.fullmatch(bytes([b])) else f"%{b:02X}" for b in raw)
@@ -29,7 +33,7 @@ def safe_segment(value: str) -> str:
         out = "".join(f"%{b:02X}" for b in raw) or "%00"
     if len(out) > MAX_SAFE_BYTES:
         return _HASH_MARK + hashlib.sha256(raw).hexdigest()
-    if out.startswith(_HASH_MARK):
+    if out.startswith((_HASH_MARK, "_")):
         out = f"%{ord(out[0]):02X}" + out[1:]
     return out
 
@@ -41,3 +45,18 @@ def result_key(prefix: str, batch_id: str | None, custom_id: str) -> str:
     prefix = prefix.strip("/")
     return f"{prefix}/{key}" if prefix else key
 
+
+def batch_folder(prefix: str, batch_id: str | None) -> str:
+    """``<prefix>/<batch>/``: the key prefix (with its trailing ``/``) of one batch."""
+    return result_key(prefix, batch_id, "x").rsplit("/", 1)[0] + "/"
+
+
+def manifest_key(prefix: str, batch_id: str | None) -> str:
+    """``<prefix>/<batch>/_manifest.json``, written by ``qworker produce``."""
+    return batch_folder(prefix, batch_id) + MANIFEST_NAME
+
+
+def conflict_key(prefix: str, batch_id: str | None, custom_id: str, fingerprint: str) -> str:
+    """``<prefix>/<batch>/_conflicts/<safe(custom_id)>-<fingerprint[:12]>.json``."""
+    folder = batch_folder(prefix, batch_id) + CONFLICTS_DIR
+    return f"{folder}/{safe_segment(custom_id)}-{fingerprint[:12]}.json"

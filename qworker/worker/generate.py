@@ -3,7 +3,9 @@
 Streams the input with bounded memory: at most ``window`` jobs are read ahead of the
 oldest unwritten one, and results are written in input order (one output line per
 non-blank input line). Invalid lines become error lines in the same output; the
-other jobs are unaffected. Progress goes to stderr as plain text.
+other jobs are unaffected. Progress goes to stderr: a tqdm bar (rate, ETA) and a
+closing summary line. ``skip_ids`` / ``skip_lines`` leave out what an earlier run
+already wrote (``--resume``). Lines: docs/formats.md, "Result lines".
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from qworker.schema import (
     dumps,
     error_record,
     error_record_for,
+    is_error_record,
     parse_job,
     success_record,
 )
@@ -45,6 +48,7 @@ class GenerateStats:
     lines: int = 0
     ok: int = 0
     errors: int = 0
+    skipped: int = 0
     generation_tokens: int = 0
     started: float = field(default_factory=time.monotonic)
 
@@ -60,17 +64,38 @@ def count_lines(path: str) -> int:
         return sum(1 for line in f if line.strip())
 
 
+def _done_before(body: bytes, line_no: int, skip_ids: set[str], skip_lines: set[int]) -> bool:
+    if line_no in skip_lines:
+        return True
+    if not skip_ids:
+        return False
+    parsed = parse_job(body, 1 << 62)
+    return parsed.custom_id is not None and parsed.custom_id in skip_ids
+
+
 def generate_file(
     engine: EngineLike,
     input_path: str,
     out: IO[bytes],
     window: int = 256,
     max_job_bytes: int = 1 << 20,
-    progress: IO[str] | None = sys.stderr,
+    progress: IO[str] | str | None = "stderr",
+    skip_ids: set[str] | None = None,
+    skip_lines: set[int] | None = None,
 ) -> GenerateStats:
-    """Run every job of ``input_path`` through ``engine``; write records to ``out``."""
+    """Run every job of ``input_path`` through ``engine``; write records to ``out``.
+
+    ``progress``: where the bar and the summary go (default stderr, None: silent).
+    Lines whose custom_id is in ``skip_ids`` (or whose number is in ``skip_lines``) are
+    not run again; ``stats.skipped`` counts them.
+    """
+    if progress == "stderr":  # looked up now: sys.stderr may have been replaced
+        progress = sys.stderr
+    assert progress is None or not isinstance(progress, str)
+    skip_ids, skip_lines = skip_ids or set(), skip_lines or set()
     total = count_lines(input_path)
     stats = GenerateStats()
+    bar = _bar(progress, total)
     slots: deque[_Slot] = deque()
     by_request: dict[str, _Slot] = {}
     tokenizer = getattr(engine, "tokenizer", None)
@@ -84,10 +109,12 @@ def generate_file(
             record = slots.popleft().record
             assert record is not None
             out.write(dumps(record) + b"\n")
-            if record["error"] is None:
+            if not is_error_record(record):
                 stats.ok += 1
             else:
                 stats.errors += 1
+            if bar is not None:
+                bar.update(1)
 
     def finish(outputs: list[RequestOutput]) -> None:
         for output in outputs:
@@ -116,18 +143,37 @@ def generate_file(
                 break
             line_no, body = item
             stats.lines += 1
+            if _done_before(body, line_no, skip_ids, skip_lines):
+                stats.skipped += 1
+                if bar is not None:
+                    bar.update(1)
+                continue
             slots.append(_admit(engine, line_no, body, max_job_bytes, by_request))
         if by_request:
             _expire(engine, by_request)
             finish(engine.step())
         flush()
-        if progress is not None and time.monotonic() - last_report >= _PROGRESS_EVERY_S:
+        if bar is not None and time.monotonic() - last_report >= _PROGRESS_EVERY_S:
             last_report = time.monotonic()
-            _report(progress, stats, total)
+            secs = max(stats.elapsed, 1e-9)
+            bar.set_postfix(ok=stats.ok, errors=stats.errors,
+                            tok_s=f"{stats.generation_tokens / secs:.1f}", refresh=False)
     flush()
+    if bar is not None:
+        bar.close()
     if progress is not None:
         _report(progress, stats, total)
     return stats
+
+
+def _bar(progress: IO[str] | None, total: int) -> Any:
+    """A tqdm bar on ``progress`` (jobs done of ``total``, rate and ETA), or None."""
+    if progress is None:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="job", file=progress, desc="generate", dynamic_ncols=True,
+                mininterval=1.0)
 
 
 def _read_lines(path: str) -> Iterator[tuple[int, bytes]]:
@@ -177,9 +223,10 @@ def _expire(engine: EngineLike, by_request: dict[str, _Slot]) -> None:
 
 def _report(progress: IO[str], stats: GenerateStats, total: int) -> None:
     secs = max(stats.elapsed, 1e-9)
-    done = stats.ok + stats.errors
+    done = stats.ok + stats.errors + stats.skipped
+    skipped = f", {stats.skipped} already done" if stats.skipped else ""
     progress.write(
-        f"generate: {done}/{total} done ({stats.ok} ok, {stats.errors} errors), "
+        f"generate: {done}/{total} done ({stats.ok} ok, {stats.errors} errors{skipped}), "
         f"{done / secs:.2f} jobs/s, {stats.generation_tokens / secs:.1f} tok/s\n"
     )
     progress.flush()

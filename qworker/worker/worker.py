@@ -27,6 +27,7 @@ from qworker.schema import (
     Job,
     JobKind,
     dumps,
+    error_of,
     error_record_for,
     parse_job,
     result_key,
@@ -35,6 +36,7 @@ from qworker.schema import (
 from qworker.worker.admission import Admission, Growth
 from qworker.worker.drain import DrainControl, DrainReason
 from qworker.worker.engine_thread import EngineLike, EngineThread
+from qworker.worker.exit_codes import ExitCode
 from qworker.worker.metrics import WorkerMetrics
 from qworker.worker.sinks.base import Sink
 from qworker.worker.sources.base import Message, Source
@@ -57,6 +59,11 @@ _MAX_RECEIVE_FAILURES = 8
 _SINK_RETRY_FIRST_S = 1.0
 _SINK_RETRY_MAX_S = 15.0
 _START_CLOSE_S = 5.0  # longest wait to close a source whose start a drain cancelled
+_PENDING_CHECK_S = 1.0  # --until-idle asks the source for pending work this often
+_PENDING_TIMEOUT_S = 15.0
+_PENDING_LOG_S = 10.0
+_DRAIN_PENDING_S = 5.0
+_SIGNALLED = (DrainReason.SIGNAL, DrainReason.SPOT)
 
 
 class AbortReason(Enum):
@@ -98,8 +105,8 @@ class Worker:
     """One worker: drives ``engine`` with jobs from ``source``, results into ``sink``.
 
     ``run()`` returns when the drain finished (signal, spot notice, ``until_idle``,
-    or an engine that keeps failing); ``exit_code`` is then 0, or 1 after a fatal
-    engine failure. Create and run it inside the event loop that will own it.
+    or a fatal failure); ``exit_code`` is then an ``ExitCode`` (docs/operations.md).
+    Create and run it inside the event loop that will own it.
     """
 
     def __init__(
@@ -121,7 +128,7 @@ class Worker:
         self.drain = drain or DrainControl()
         self.admission = Admission(settings.max_inflight_jobs, settings.admission_buffer_blocks)
         self.summary = RunSummary()
-        self.exit_code = 0
+        self.exit_code = ExitCode.OK
         self._inflight: dict[str, InFlightJob] = {}
         self._ready: deque[_Ready] = deque()
         self._by_message: dict[str, str] = {}
@@ -133,6 +140,8 @@ class Worker:
         self._drain_deadline: float | None = None
         self._kv_usage = 0.0
         self._last_activity = time.monotonic()
+        self._next_pending_check = 0.0
+        self._next_pending_log = 0.0
         self._block_size = engine.stats().block_size
         tokenizer = getattr(engine, "tokenizer", None)
         self._decode = (lambda tid: tokenizer.decode([tid])) if tokenizer is not None else None
@@ -177,6 +186,8 @@ class Worker:
         try:
             await self._admit_loop()
             await self._drain()
+            if self.exit_code == ExitCode.OK and self.drain.reason in _SIGNALLED:
+                self.exit_code = await self._drain_exit_code()
         finally:
             for task in helpers:
                 task.cancel()
@@ -222,6 +233,7 @@ class Worker:
             await start
         await self._close_unstarted()
         await self.sink.close()
+        self.exit_code = ExitCode.DRAINED  # nothing served, but the source may hold work
         self.summary.finished = time.monotonic()
         self.summary.drain_reason = self.drain.reason.value if self.drain.reason else None
         return False
@@ -262,9 +274,36 @@ class Worker:
                 until_idle is not None
                 and self.busy == 0
                 and time.monotonic() - self._last_activity >= until_idle
+                and await self._source_drained()
             ):
-                log.info("idle for %.1fs with nothing in flight: stopping", until_idle)
+                log.info(
+                    "idle for %.1fs, nothing in flight and no pending work at the source: "
+                    "stopping",
+                    until_idle,
+                )
                 self.drain.request(DrainReason.IDLE)
+
+    async def _source_drained(self) -> bool:
+        """True when the source reports no pending work; checked at most once a second.
+
+        Messages another (or a killed) worker holds are pending work: ``--until-idle``
+        waits for them. A source that cannot answer is never idle.
+        """
+        now = time.monotonic()
+        if now < self._next_pending_check:
+            return False
+        self._next_pending_check = now + _PENDING_CHECK_S
+        try:
+            pending = await asyncio.wait_for(self.source.pending_work(), _PENDING_TIMEOUT_S)
+        except Exception as exc:
+            log.warning("cannot tell whether the source has pending work: %r", exc)
+            return False
+        if pending > 0:
+            if now >= self._next_pending_log:
+                self._next_pending_log = now + _PENDING_LOG_S
+                log.info("idle here, but the source reports %d pending messages: waiting", pending)
+            return False
+        return True
 
     async def _receive(self, max_messages: int) -> list[Message]:
         """``source.receive`` that rides out transient failures, then gives up (exit 1)."""
@@ -274,7 +313,7 @@ class Worker:
             self._receive_failures += 1
             log.error("source receive failed (%d in a row): %s", self._receive_failures, exc)
             if self._receive_failures >= _MAX_RECEIVE_FAILURES:
-                self._fail("source keeps failing")
+                self._fail(ExitCode.UNAVAILABLE, "source keeps failing")
             else:
                 await asyncio.sleep(min(5.0, 0.2 * 2**self._receive_failures))
             self._last_activity = time.monotonic()  # an unreachable source is not idle
@@ -282,11 +321,23 @@ class Worker:
         self._receive_failures = 0
         return msgs
 
-    def _fail(self, why: str) -> None:
-        """Stop with exit code 1 after a graceful drain (finished work is still stored)."""
-        log.error("%s: stopping", why)
-        self.exit_code = 1
+    def _fail(self, code: ExitCode, why: str) -> None:
+        """Stop with ``code`` after a graceful drain (finished work is still stored)."""
+        log.error("%s: stopping (exit %d)", why, code)
+        if self.exit_code == ExitCode.OK:
+            self.exit_code = code
         self.drain.request(DrainReason.FATAL)
+
+    async def _drain_exit_code(self) -> ExitCode:
+        """After a signal or spot drain: 0 only if no work was left, here or at the source."""
+        if self.summary.abandoned:
+            return ExitCode.DRAINED
+        try:
+            pending = await asyncio.wait_for(self.source.pending_work(), _DRAIN_PENDING_S)
+        except Exception as exc:
+            log.warning("cannot tell whether the source has pending work: %r", exc)
+            return ExitCode.DRAINED
+        return ExitCode.OK if pending == 0 else ExitCode.DRAINED
 
     def _prepare(self, msg: Message) -> None:
         """Parse and tokenize one message; queue it for the admission gate or record it."""
@@ -409,8 +460,9 @@ class Worker:
         metadata: dict | None,
     ) -> None:
         record = error_record_for(custom_id, batch_id, exc, metadata)
-        code = record["error"]["code"]
-        log.warning("%s: %s", code, record["error"]["message"], extra=_ids(custom_id, msg))
+        error = error_of(record) or {}
+        code = error.get("code") or "engine_error"
+        log.warning("%s: %s", code, error.get("message"), extra=_ids(custom_id, msg))
         self._spawn(self._store(msg, custom_id, batch_id, record, code))
 
     async def _store(
@@ -471,8 +523,8 @@ class Worker:
         if give_up or self.drain.immediate.is_set() or (deadline is not None and now >= deadline):
             log.error("sink put failed, job left unacked: %s", exc, extra=_ids(custom_id, msg))
             await self.source.abandon(msg)
-            if give_up and self.exit_code == 0:
-                self._fail(f"sink failing for {down_for:.0f}s")
+            if give_up:
+                self._fail(ExitCode.UNAVAILABLE, f"sink failing for {down_for:.0f}s")
             return False
         delay = min(_SINK_RETRY_MAX_S, _SINK_RETRY_FIRST_S * 2 ** min(attempt - 1, 8))
         delay = random.uniform(delay / 2, delay)
@@ -514,7 +566,8 @@ class Worker:
                 self._thread.abort(entry.request_id)
         if self._step_failures >= _MAX_STEP_FAILURES:
             log.error("engine failed %d steps in a row: stopping", self._step_failures)
-            self.exit_code = 1
+            if self.exit_code == ExitCode.OK:
+                self.exit_code = ExitCode.ENGINE
             self.drain.request_immediate(DrainReason.FATAL)
 
     def _on_revoke(self, msgs: list[Message]) -> None:
@@ -578,8 +631,7 @@ class Worker:
         self._kv_usage = stats.kv_cache_usage_perc
         self.metrics.update_engine(stats)
         self.metrics.inflight.set(self.busy)
-        uncommitted = getattr(self.source, "uncommitted_count", None)
-        self.metrics.uncommitted.set(uncommitted() if callable(uncommitted) else self.busy)
+        self.metrics.uncommitted.set(self.source.uncommitted_count())
         if stats.num_requests_running or stats.num_requests_waiting:
             self.summary.sample_kv(
                 stats.kv_cache_usage_perc, dt, saturated=bool(self._ready)

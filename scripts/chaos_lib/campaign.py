@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .checker import CheckResult, check_results, list_keys
+from .checker import CheckResult, check_results, error_code, list_keys
 from .fleet import Fate, Fleet
 from .jobs import JobSet, make_jobs
 from .proxy import ChaosProxy
@@ -423,7 +423,7 @@ class Campaign:
                 cid = rec.get("custom_id")
                 if cid in got:
                     bad += 1
-                got[cid] = "ok" if rec.get("error") is None else "error"
+                got[cid] = "ok" if error_code(rec) is None else "error"
                 if got[cid] != kind:
                     bad += 1
         for cid, want in self.jobs.expected.items():
@@ -456,7 +456,8 @@ class Campaign:
         r.worker_crashes = sum(1 for i in incs if i.fate is Fate.EXITED and i.returncode != 0)
         r.idle_exits = sum(1 for i in incs if i.fate is Fate.EXITED and i.returncode == 0)
         drains = [i for i in incs if i.fate is Fate.DRAINED]
-        r.drain_bad_exits = sum(1 for i in drains if i.returncode != 0)
+        # A drain exits 75 when it left work (its own or the queue's), 0 when none was left.
+        r.drain_bad_exits = sum(1 for i in drains if i.returncode not in (0, 75))
         r.drain_seconds = [round((i.ended_at or 0) - (i.signalled_at or 0), 1) for i in drains]
         r.drain_max_seconds = max(r.drain_seconds, default=0.0)
         received = self.fleet.metric_total("qworker_jobs_received_total")

@@ -46,6 +46,16 @@ def list_keys(s3: Any, bucket: str, prefix: str) -> list[str]:
     return keys
 
 
+def error_code(rec: Any) -> str | None:
+    """The error code of a failed result line (either OpenAI shape), None for a 200."""
+    err, resp = rec.get("error"), rec.get("response")
+    if isinstance(err, dict):
+        return str(err.get("code"))
+    if isinstance(resp, dict) and resp.get("status_code") != 200:
+        return str(((resp.get("body") or {}).get("error") or {}).get("code"))
+    return None
+
+
 def _problem(rec: Any, jobs: JobSet, key: str, key_of: Callable[[str], str]) -> str | None:
     """Why ``rec`` (stored under ``key``) is not a valid answer to its job, or None."""
     if not isinstance(rec, dict):
@@ -77,8 +87,8 @@ def _problem(rec: Any, jobs: JobSet, key: str, key_of: Callable[[str], str]) -> 
         if "nonce" in text and jobs.nonces[cid] not in text:
             return "answer carries another job's nonce"
         return None
-    if resp is not None or not isinstance(err, dict) or err.get("code") != want:
-        return f"expected error {want!r}, got error={err!r}"
+    if error_code(rec) != want:
+        return f"expected error {want!r}, got response={resp!r} error={err!r}"
     return None
 
 
@@ -109,7 +119,7 @@ def check_results(s3: Any, bucket: str, prefix: str, jobs: JobSet,
                 res.invalid.append(f"{key}: {why}")
         if cid in jobs.expected:
             by_cid[cid].append(key)
-            if isinstance(rec, dict) and rec.get("error") is not None:
+            if isinstance(rec, dict) and error_code(rec) is not None:
                 res.error_records += 1
     res.found = len(by_cid)
     res.missing = sorted(c for c in jobs.expected if c not in by_cid)

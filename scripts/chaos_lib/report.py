@@ -71,7 +71,7 @@ class Report:
                 ("valid jobs in DLQ", self.valid_jobs_in_dlq),
                 ("kills (SIGKILL)", self.kills), ("drains (SIGTERM)", self.drains),
                 ("drains cut by a 2nd SIGTERM", self.double_terms),
-                ("drains not exiting 0", self.drain_bad_exits),
+                ("drains not exiting 0/75", self.drain_bad_exits),
                 ("longest drain (s)", f"{self.drain_max_seconds:.1f}"),
                 ("broker restarts", self.broker_restarts), ("S3 outages", self.s3_outages),
                 ("worker starts", self.worker_starts),

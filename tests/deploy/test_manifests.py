@@ -1,7 +1,7 @@
 """deploy/: rendered Kustomize manifests, alert rules, dashboard and image agree with the worker.
 
 The worker's contract (env names, port, probes, drain budget, metric names)
-lives in DESIGN.md and WORKER_API.md; these tests hold deploy/ to it. Schema
+lives in docs/configuration.md and docs/formats.md; these tests hold deploy/ to it. Schema
 validation of the core kinds is scripts/lint.sh's job (kubernetes-validate);
 the KEDA and Karpenter CRDs have no bundled schema there, so their fields are
 checked here.
@@ -183,6 +183,34 @@ def test_scaled_object_targets_the_deployment_and_matches_the_source(
         assert source == f"sqs://{trigger['metadata']['queueURL']}"
         auth = one(docs, "TriggerAuthentication")
         assert trigger["authenticationRef"]["name"] == auth["metadata"]["name"]
+
+
+_KEDA_SASL = {"PLAIN": "plaintext", "SCRAM-SHA-256": "scram_sha256",
+              "SCRAM-SHA-512": "scram_sha512", "OAUTHBEARER": "aws_msk_iam"}
+
+
+def test_kafka_trigger_authenticates_like_the_worker() -> None:
+    """KEDA reads the lag with the pods' security settings and the same Secret keys."""
+    docs = render("overlays/kafka")
+    config = _config(docs)
+    (trigger,) = one(docs, "ScaledObject")["spec"]["triggers"]
+    meta = trigger["metadata"]
+    protocol = config["QWORKER_KAFKA_SECURITY_PROTOCOL"]
+    assert meta["tls"] == ("enable" if protocol.endswith("SSL") else "disable")
+    assert meta["sasl"] == _KEDA_SASL[config["QWORKER_KAFKA_SASL_MECHANISM"]]
+    auth = one(docs, "TriggerAuthentication")
+    assert trigger["authenticationRef"]["name"] == auth["metadata"]["name"]
+    refs = {r["parameter"]: r for r in auth["spec"]["secretTargetRef"]}
+    secret = _container(docs)["envFrom"][1]["secretRef"]["name"]
+    assert refs["username"]["key"] == "QWORKER_KAFKA_SASL_USERNAME"
+    assert refs["password"]["key"] == "QWORKER_KAFKA_SASL_PASSWORD"
+    assert {r["name"] for r in refs.values()} == {secret}
+    # the settings the ConfigMap names are ones the worker accepts together
+    from qworker.config import WorkerSettings
+
+    WorkerSettings(kafka_security_protocol=protocol,
+                   kafka_sasl_mechanism=config["QWORKER_KAFKA_SASL_MECHANISM"],
+                   kafka_sasl_username="u", kafka_sasl_password="p")
 
 
 def test_karpenter_pools_are_gpu_spot_first_with_consolidation(

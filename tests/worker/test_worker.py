@@ -16,6 +16,7 @@ pytest.importorskip("pydantic_settings")
 
 from qworker.config import WorkerSettings
 from qworker.engine.outputs import RequestOutput
+from qworker.schema import error_of
 from qworker.worker.drain import DrainControl, DrainReason
 from qworker.worker.echo_engine import EchoEngine
 from qworker.worker.metrics import WorkerMetrics
@@ -98,7 +99,7 @@ def test_invalid_jobs_get_error_records_and_the_worker_keeps_going(tmp_path: Pat
     ]
     worker = _run(tmp_path, lines, engine=EchoEngine(max_model_len=64))
     results = read_results(tmp_path / "out")
-    codes = {cid: (r["error"] or {}).get("code") for cid, r in results.items()}
+    codes = {cid: (error_of(r) or {}).get("code") for cid, r in results.items()}
     assert codes == {
         "ok1": None,
         "ok2": None,
@@ -108,7 +109,7 @@ def test_invalid_jobs_get_error_records_and_the_worker_keeps_going(tmp_path: Pat
         "too-long": "context_length_exceeded",
         "expired": "batch_expired",
     }
-    assert results["too-long"]["error"]["message"] == "prompt is 100 tokens; max_model_len is 64"
+    assert error_of(results["too-long"])["message"] == "prompt is 100 tokens; max_model_len is 64"
     dlq = [json.loads(x) for x in (tmp_path / "jobs.jsonl.dlq").read_text().splitlines()]
     assert [d["message_id"] for d in dlq] == ["file:2", "file:3", "file:4"]
     assert dlq[2]["reason"] == "job must be a JSON object, got an array"
@@ -121,7 +122,7 @@ def test_deadline_passing_inside_the_engine_gives_batch_expired(tmp_path: Path) 
     lines = [chat_job("late") | {"deadline": time.time() + 0.5}]
     _run(tmp_path, lines, engine=slow)
     record = read_results(tmp_path / "out")["late"]
-    assert record["error"]["code"] == "batch_expired"
+    assert error_of(record)["code"] == "batch_expired"
 
 
 def test_existing_result_counts_as_duplicate_and_is_not_overwritten(tmp_path: Path) -> None:
@@ -148,8 +149,8 @@ class _FailOnce(EchoEngine):
 def test_engine_step_failure_becomes_engine_error_records(tmp_path: Path) -> None:
     worker = _run(tmp_path, [chat_job("e1")], engine=_FailOnce())
     record = read_results(tmp_path / "out")["e1"]
-    assert record["error"]["code"] == "engine_error"
-    assert "device-side assert" in record["error"]["message"]
+    assert error_of(record)["code"] == "engine_error"
+    assert "device-side assert" in error_of(record)["message"]
     assert worker.exit_code == 0
 
 
@@ -173,6 +174,7 @@ def test_drain_abandons_unfinished_jobs_without_acking(tmp_path: Path) -> None:
     assert read_results(tmp_path / "out") == {}
     assert acked_lines(tmp_path / "jobs.jsonl.progress") == set()
     assert worker.summary.abandoned == 3 and worker.summary.drain_reason == "signal"
+    assert worker.exit_code == 75  # drained with work left: AWS Batch retries the child
 
 
 def test_admission_keeps_waiting_work_within_the_pool(tmp_path: Path) -> None:
@@ -263,7 +265,7 @@ class _BrokenSink(FileSink):
         raise OSError("disk on fire")
 
 
-def test_a_sink_that_keeps_failing_stops_the_worker_with_exit_1_and_nothing_acked(
+def test_a_sink_that_keeps_failing_stops_the_worker_with_exit_69_and_nothing_acked(
     tmp_path: Path,
 ) -> None:
     spool = write_spool(tmp_path / "jobs.jsonl", [chat_job(f"f{i}") for i in range(8)])
@@ -279,7 +281,7 @@ def test_a_sink_that_keeps_failing_stops_the_worker_with_exit_1_and_nothing_acke
         return worker
 
     worker = asyncio.run(main())
-    assert worker.exit_code == 1 and worker.summary.drain_reason == "fatal"
+    assert worker.exit_code == 69 and worker.summary.drain_reason == "fatal"
     assert acked_lines(tmp_path / "jobs.jsonl.progress") == set()
 
 
@@ -347,7 +349,7 @@ def test_a_drain_during_a_sink_outage_stops_retrying_at_the_drain_budget(tmp_pat
         return worker, time.monotonic() - started
 
     worker, took = asyncio.run(main())
-    assert worker.exit_code == 0 and worker.summary.drain_reason == "signal"
+    assert worker.exit_code == 75 and worker.summary.drain_reason == "signal"  # work left
     assert took < 1.0 + 1 + 3  # signal + drain budget + slack, not the 30 s store wait
     assert acked_lines(tmp_path / "jobs.jsonl.progress") == set()
 
@@ -363,7 +365,7 @@ class _HangingStart(FileSource):
         await super().close()
 
 
-def test_a_drain_during_source_start_cancels_the_start_and_exits_0(tmp_path: Path) -> None:
+def test_a_drain_during_source_start_cancels_the_start_and_exits_75(tmp_path: Path) -> None:
     spool = write_spool(tmp_path / "jobs.jsonl", [chat_job("s1")])
     source = _HangingStart(spool)
     drain = DrainControl()
@@ -377,7 +379,7 @@ def test_a_drain_during_source_start_cancels_the_start_and_exits_0(tmp_path: Pat
         return worker, time.monotonic() - started
 
     worker, took = asyncio.run(main())
-    assert worker.exit_code == 0 and worker.summary.drain_reason == "signal"
+    assert worker.exit_code == 75 and worker.summary.drain_reason == "signal"
     assert took < 5 and source.closed
     assert worker.summary.received == 0 and read_results(tmp_path / "out") == {}
 

@@ -20,6 +20,7 @@ import pytest
 pytest.importorskip("orjson")
 pytest.importorskip("pydantic_settings")
 
+from qworker.schema import error_of
 from tests.worker.jobs import acked_lines, chat_job, completion_job, read_results, write_spool
 
 N_JOBS = 24
@@ -126,7 +127,7 @@ def test_run_with_a_tiny_model_writes_chat_completions(
     assert len(results["t2"]["response"]["body"]["choices"]) == 2
     lp = results["t3"]["response"]["body"]["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == 3 and len(lp["top_logprobs"][0]) == 2
-    assert results["t4"]["error"]["code"] == "context_length_exceeded"
+    assert error_of(results["t4"])["code"] == "context_length_exceeded"
 
 
 def test_sigterm_drains_commits_only_finished_work_and_a_rerun_completes(tmp_path: Path) -> None:
@@ -142,7 +143,7 @@ def test_sigterm_drains_commits_only_finished_work_and_a_rerun_completes(tmp_pat
         assert b"qworker_jobs_completed_total" in resp.read()
     sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    assert _finish(proc) == 0, _log(tmp_path)
+    assert _finish(proc) == 75, _log(tmp_path)  # drained with work left
     assert time.monotonic() - sent < 15
     first = read_results(tmp_path / "out")
     acked = acked_lines(tmp_path / "jobs.jsonl.progress")
@@ -235,7 +236,7 @@ def test_spot_interruption_notice_starts_a_drain(tmp_path: Path) -> None:
         _wait_for_results(tmp_path, 2, proc)
         assert _Imds.polls >= 1  # polled and saw 404 = no notice, kept serving
         _Imds.notice = True
-        assert _finish(proc) == 0, _log(tmp_path)
+        assert _finish(proc) == 75, _log(tmp_path)  # drained with work left
         log = _log(tmp_path)
         assert "spot interruption notice" in log and "drain requested: spot_interruption" in log
         results = read_results(tmp_path / "out")
@@ -260,7 +261,7 @@ def test_second_sigterm_stops_at_once_without_acking_unfinished_work(tmp_path: P
     assert proc.poll() is None  # draining: waits for in-flight work (up to 120 s)
     proc.send_signal(signal.SIGTERM)
     sent = time.monotonic()
-    assert _finish(proc, 30) == 0, _log(tmp_path)
+    assert _finish(proc, 30) == 75, _log(tmp_path)
     assert time.monotonic() - sent < 10
     assert read_results(tmp_path / "out") == {}
     assert acked_lines(tmp_path / "jobs.jsonl.progress") == set()

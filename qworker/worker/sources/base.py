@@ -62,5 +62,20 @@ class Source(ABC):
         """Send ``msg`` to the dead-letter target with ``reason``; it then counts as acked."""
 
     @abstractmethod
+    async def pending_work(self) -> int:
+        """How many messages the source still holds for the fleet (0 = none at all).
+
+        What ``--until-idle`` asks before it may exit 0 (docs/operations.md): SQS counts
+        visible, in-flight (held by any worker, a killed one too) and delayed messages;
+        Kafka the group's lag (committed offset to end offset) over every partition of
+        the topic; a file the lines not yet done. Raises when the source cannot tell
+        (unreachable): an error is never "no pending work".
+        """
+
+    def uncommitted_count(self) -> int:
+        """Messages received here and not yet committed (``qworker_uncommitted_offsets``)."""
+        return 0
+
+    @abstractmethod
     async def close(self) -> None:
         """Final commit of finished work and leave the group; idempotent."""

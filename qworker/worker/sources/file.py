@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
@@ -55,6 +56,8 @@ class FileSource(Source):
         self._line_no = 0
         self._partial = b""
         self._partial_since = 0.0
+        self._open: set[int] = set()  # served, not yet acked
+        self._again: deque[Message] = deque()  # abandoned: served again first
 
     @classmethod
     def from_uri(cls, uri: str, settings: WorkerSettings | None = None) -> FileSource:
@@ -110,7 +113,10 @@ class FileSource(Source):
         """Next unacked lines; at end of file waits up to ``timeout`` for more."""
         deadline = time.monotonic() + timeout
         while True:
-            batch = self._read_lines(max_messages)
+            batch: list[Message] = []
+            while self._again and len(batch) < max_messages:
+                batch.append(self._again.popleft())
+            batch += self._read_lines(max_messages - len(batch))
             if batch or time.monotonic() >= deadline:
                 return batch
             await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
@@ -136,6 +142,7 @@ class FileSource(Source):
             body = chunk.strip()
             if not body or self._is_done(self._line_no):
                 continue
+            self._open.add(self._line_no)
             out.append(
                 Message(
                     body=body,
@@ -150,6 +157,7 @@ class FileSource(Source):
     async def ack(self, msg: Message) -> None:
         """Append the line number to the progress log (flushed before returning)."""
         line_no = int(msg.handle)
+        self._open.discard(line_no)
         if self._is_done(line_no) or self._progress is None:
             return
         self._done.add(line_no)
@@ -161,7 +169,20 @@ class FileSource(Source):
         self._progress.flush()
 
     async def abandon(self, msg: Message) -> None:
-        """Nothing to undo: an unacked line is served again by the next run."""
+        """Serve the line again (first, by this run's next ``receive``; else by the next run)."""
+        if int(msg.handle) in self._open:
+            self._again.append(msg)
+
+    async def pending_work(self) -> int:
+        """Lines served and not yet done, plus one if the file holds bytes not read yet."""
+        if self._reader is None:
+            raise RuntimeError("file source not started")
+        unread = self._partial != b"" or self.path.stat().st_size > self._reader.tell()
+        return len(self._open) + (1 if unread else 0)
+
+    def uncommitted_count(self) -> int:
+        """Lines served and not yet recorded as done."""
+        return len(self._open)
 
     async def dead_letter(self, msg: Message, reason: str) -> None:
         """Append ``{"message_id", "reason", "body"}`` to ``<file>.dlq``, then ack."""

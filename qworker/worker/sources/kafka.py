@@ -25,7 +25,12 @@ How the pieces fit:
   The producer uses neither idempotence nor transactions (the tansu test broker
   lacks them); the DLQ topic must exist or the broker must auto-create it.
 
-Partition bookkeeping lives in ``kafka_rebalance``, producing in ``kafka_produce``.
+- Every codec (gzip, snappy, lz4, zstd) is read; a batch that still cannot be decoded
+  (an unknown codec, a corrupt batch) is never skipped: ``receive`` raises
+  ``KafkaDecodeError`` from then on, and the worker stops (exit 69, docs/formats.md).
+
+Partition bookkeeping lives in ``kafka_rebalance``, producing in ``kafka_produce``,
+connection options (TLS, SASL, codecs) in ``kafka_client``.
 """
 
 from __future__ import annotations
@@ -41,10 +46,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.errors import ConsumerStoppedError, KafkaError
+from aiokafka.errors import (
+    ConsumerStoppedError,
+    CorruptRecordException,
+    KafkaError,
+    UnsupportedCodecError,
+)
 from aiokafka.structs import OffsetAndMetadata
 
 from qworker.worker.sources.base import Message, Source
+from qworker.worker.sources.kafka_client import KafkaSecurity, check_codecs
+from qworker.worker.sources.kafka_lag import RecordProbe, group_lag
 from qworker.worker.sources.kafka_produce import (
     DLQ_REASON_HEADER,
     DLQ_SOURCE_HEADER,
@@ -62,7 +74,9 @@ __all__ = [
     "DEFAULT_GROUP",
     "DLQ_REASON_HEADER",
     "DLQ_SOURCE_HEADER",
+    "KafkaDecodeError",
     "KafkaHandle",
+    "KafkaSecurity",
     "KafkaSource",
     "KafkaURI",
     "open_source",
@@ -72,6 +86,15 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 DEFAULT_GROUP = "qworker"
+
+
+class KafkaDecodeError(RuntimeError):
+    """A fetched batch cannot be decoded (unknown codec, corrupt batch): not retryable.
+
+    ``fatal`` tells the worker to stop rather than retry (exit 69, docs/formats.md).
+    """
+
+    fatal = True
 
 
 @dataclass(slots=True)
@@ -119,6 +142,7 @@ class KafkaSource(Source):
         request_timeout: float = 30.0,
         max_poll_interval_ms: int = 300000,
         start_wait: float = 10.0,
+        security: KafkaSecurity | None = None,
     ) -> None:
         self.bootstrap = bootstrap
         self.topic = topic
@@ -131,11 +155,14 @@ class KafkaSource(Source):
         self.request_timeout = request_timeout
         self.max_poll_interval_ms = max_poll_interval_ms
         self.start_wait = start_wait
+        self.security = security or KafkaSecurity()
         self.on_revoke = None
         #: Times the poll task paused partitions for backpressure (for tests/metrics).
         self.pauses = 0
         self._consumer: AIOKafkaConsumer | None = None
-        self._dlq = DeadLetterProducer(bootstrap, self.dlq_topic, request_timeout)
+        self._dlq = DeadLetterProducer(bootstrap, self.dlq_topic, request_timeout, self.security)
+        self._probe = RecordProbe(bootstrap, request_timeout, **self.security.client_options())
+        self._fatal: KafkaDecodeError | None = None
         self._commit_lock = asyncio.Lock()
         self._book = PartitionBook()
         self._buffer: deque[Message] = deque()
@@ -148,6 +175,7 @@ class KafkaSource(Source):
 
     async def start(self) -> None:
         """Join the group and start the poll and commit tasks."""
+        check_codecs()
         self._consumer = AIOKafkaConsumer(
             bootstrap_servers=self.bootstrap,
             group_id=self.group,
@@ -159,6 +187,7 @@ class KafkaSource(Source):
             request_timeout_ms=int(self.request_timeout * 1000),
             max_poll_records=self.buffer_size,
             max_poll_interval_ms=self.max_poll_interval_ms,
+            **self.security.client_options(),
         )
         listener = RebalanceListener(self._on_revoked, self._on_assigned)
         self._consumer.subscribe([self.topic], listener=listener)
@@ -215,17 +244,25 @@ class KafkaSource(Source):
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._consumer.stop(), self.request_timeout)
         await self._dlq.stop()
+        await self._probe.stop()
         self._ready.set()
         log.info("kafka source closed topic=%s group=%s", self.topic, self.group)
 
     # -- the Source interface --------------------------------------------------------
 
     async def receive(self, max_messages: int, timeout: float) -> list[Message]:
-        """Up to ``max_messages`` fetched messages; ``[]`` after ``timeout`` seconds."""
+        """Up to ``max_messages`` fetched messages; ``[]`` after ``timeout`` seconds.
+
+        Raises ``KafkaDecodeError`` once a batch could not be decoded (see the module).
+        """
+        if self._fatal is not None and not self._buffer:
+            raise self._fatal
         if self._closed:
             return []
         deadline = time.monotonic() + timeout
         while not self._buffer and not self._closed:
+            if self._fatal is not None:
+                raise self._fatal
             self._ready.clear()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -277,6 +314,24 @@ class KafkaSource(Source):
         await self._dlq.send(msg, reason)
         log.warning("dead-lettered message_id=%s to %s: %s", msg.message_id, self.dlq_topic, reason)
         await self.ack(msg)
+
+    async def pending_work(self) -> int:
+        """The group's lag over every partition of the topic, after committing ours.
+
+        Lag is end offset minus committed offset (the log start when nothing was
+        committed). Some brokers report end offsets per record batch rather than per
+        record (the tansu test broker does), so a zero lag is confirmed by fetching
+        from the committed offsets: any record found there is pending work. Raises
+        when the broker cannot be asked.
+        """
+        consumer = self._consumer
+        if consumer is None:
+            raise RuntimeError("kafka source not started")
+        await self.commit()
+        lag, starts = await group_lag(consumer, self.topic, self.request_timeout)
+        if lag == 0:
+            lag = await self._probe.records_from(starts)
+        return max(lag, len(self._buffer))
 
     # -- introspection ---------------------------------------------------------------
 
@@ -346,6 +401,14 @@ class KafkaSource(Source):
             try:
                 batches = await consumer.getmany(timeout_ms=self.poll_timeout_ms, max_records=room)
             except ConsumerStoppedError:
+                return
+            except (UnsupportedCodecError, CorruptRecordException) as exc:
+                # Retrying refetches the same batch forever: stop and say why instead.
+                self._fatal = KafkaDecodeError(
+                    f"cannot decode a Kafka batch of {self.topic}: {exc}"
+                )
+                log.error("%s; stopping the poll (nothing after it is read)", self._fatal)
+                self._ready.set()
                 return
             except KafkaError as exc:
                 log.warning("kafka poll failed: %r", exc)
@@ -448,13 +511,21 @@ def open_source(uri: str, settings: Any) -> KafkaSource:
         commit_interval=getattr(settings, "kafka_commit_interval_seconds", 5.0),
         dlq_topic=getattr(settings, "kafka_dlq_topic", None),
         buffer_size=min(256, getattr(settings, "max_inflight_jobs", 256)),
+        security=KafkaSecurity.from_settings(settings),
     )
 
 
 async def produce(uri: str, items: Iterable[tuple[str | None, bytes]], settings: Any) -> int:
     """Send every ``(key, body)`` to the topic of ``uri`` (key = custom_id); return the count.
 
-    Waits for every send to be acknowledged by the broker (``acks="all"``).
+    Waits for every send to be acknowledged by the broker (``acks="all"``); TLS/SASL from
+    the settings, compression from ``settings.kafka_compression`` when it has one.
     """
     parsed = KafkaURI.parse(uri)
-    return await produce_to(parsed.bootstrap, parsed.topic, items)
+    return await produce_to(
+        parsed.bootstrap,
+        parsed.topic,
+        items,
+        KafkaSecurity.from_settings(settings),
+        getattr(settings, "kafka_compression", None),
+    )

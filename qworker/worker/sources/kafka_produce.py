@@ -1,7 +1,8 @@
 """Producing to Kafka: the source's dead-letter producer and bulk ``produce``.
 
 Producers use neither idempotence nor transactions (the tansu test broker lacks
-them) and wait for ``acks="all"``.
+them) and wait for ``acks="all"``. Connection options (TLS, SASL) come from one
+``KafkaSecurity`` (``kafka_client``), the same as the consumer's.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 from aiokafka import AIOKafkaProducer
 
 from qworker.worker.sources.base import Message
+from qworker.worker.sources.kafka_client import KafkaSecurity
 
 DLQ_REASON_HEADER = "qworker-dlq-reason"
 DLQ_SOURCE_HEADER = "qworker-source"
@@ -25,10 +27,17 @@ class DeadLetterProducer:
     The DLQ topic must exist or the broker must auto-create it.
     """
 
-    def __init__(self, bootstrap: str, topic: str, request_timeout: float) -> None:
+    def __init__(
+        self,
+        bootstrap: str,
+        topic: str,
+        request_timeout: float,
+        security: KafkaSecurity | None = None,
+    ) -> None:
         self.bootstrap = bootstrap
         self.topic = topic
         self.request_timeout = request_timeout
+        self.security = security or KafkaSecurity()
         self._producer: AIOKafkaProducer | None = None
         self._lock = asyncio.Lock()
 
@@ -59,19 +68,31 @@ class DeadLetterProducer:
                     enable_idempotence=False,
                     acks="all",
                     request_timeout_ms=int(self.request_timeout * 1000),
+                    **self.security.client_options(),
                 )
                 await producer.start()
                 self._producer = producer
             return self._producer
 
 
-async def produce_to(bootstrap: str, topic: str, items: Iterable[tuple[str | None, bytes]]) -> int:
-    """Send every ``(key, body)`` to ``topic``; return the count once all are acknowledged."""
+async def produce_to(
+    bootstrap: str,
+    topic: str,
+    items: Iterable[tuple[str | None, bytes]],
+    security: KafkaSecurity | None = None,
+    compression: str | None = None,
+) -> int:
+    """Send every ``(key, body)`` to ``topic``; return the count once all are acknowledged.
+
+    ``compression`` is a Kafka codec (gzip, snappy, lz4, zstd) or None.
+    """
     producer = AIOKafkaProducer(
         bootstrap_servers=bootstrap,
         enable_idempotence=False,
         acks="all",
         linger_ms=5,
+        compression_type=compression,
+        **(security or KafkaSecurity()).client_options(),
     )
     await producer.start()
     count = 0

@@ -49,6 +49,12 @@ DLQ_SOURCE_ATTRIBUTE = "qworker_source"
 KEY_ATTRIBUTE = "custom_id"
 MAX_WAIT_SECONDS = 20  # SQS's longest long poll
 MAX_BATCH = 10  # SQS's most messages per receive / batch call
+#: What ``pending_work`` adds up: work is left while any of these is above 0.
+PENDING_ATTRIBUTES = [
+    "ApproximateNumberOfMessages",
+    "ApproximateNumberOfMessagesNotVisible",
+    "ApproximateNumberOfMessagesDelayed",
+]
 _CALL_THREADS = 8  # concurrent SQS calls (heartbeat batches, deletes, releases)
 
 
@@ -464,6 +470,18 @@ class SqsSource(Source):
             await self._release(leftover)
         self._runner.shutdown()
         log.info("sqs source closed queue=%s", self.queue_url)
+
+    async def pending_work(self) -> int:
+        """Visible + in flight (any worker's, a killed one's too) + delayed messages.
+
+        Raises when SQS cannot be asked: an unreachable queue is not an empty one.
+        """
+        attrs = (
+            await self._call(
+                "get_queue_attributes", QueueUrl=self.queue_url, AttributeNames=PENDING_ATTRIBUTES
+            )
+        ).get("Attributes", {})
+        return sum(int(attrs.get(name, "0")) for name in PENDING_ATTRIBUTES)
 
     @property
     def inflight(self) -> int:

@@ -1,0 +1,155 @@
+"""The batch subcommands of ``qworker``: produce, status, collect (docs/formats.md).
+
+``add_parsers`` adds them to the CLI's parser; each handler takes the parsed arguments
+and the ``WorkerSettings`` and returns the exit code. Errors are raised as
+``ValueError`` / ``FileNotFoundError``: the CLI prints one line and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+#: Settings every batch command takes from flags or QWORKER_* (storage and AWS).
+STORAGE_FIELDS = ("s3_endpoint_url", "aws_region")
+#: Settings ``produce`` adds: where to send and how (Kafka security, SQS endpoint).
+PRODUCE_FIELDS = (
+    "sqs_endpoint_url", "kafka_security_protocol", "kafka_sasl_mechanism",
+    "kafka_sasl_username", "kafka_sasl_password", "kafka_ssl_cafile", "kafka_compression",
+)
+_SHOWN_MISSING = 20
+
+
+def add_parsers(
+    sub: Any, add_settings_flags: Callable[[argparse.ArgumentParser, Sequence[str]], None]
+) -> None:
+    """Add ``produce``, ``status`` and ``collect`` to the subparsers ``sub``."""
+    prod = sub.add_parser(
+        "produce", help="push an OpenAI batch file as jobs to a source URI",
+        description="Send every line of an OpenAI batch input file as one job. Refuses a "
+        "file with duplicate custom_ids; assigns batch_<uuid> when no --batch-id is given "
+        "(and prints it); writes <results>/<batch_id>/_manifest.json so that `status` and "
+        "`collect` know the batch's total and order.",
+    )
+    prod.add_argument("-i", "--input", required=True, help="requests.jsonl (path or s3://)")
+    prod.add_argument("--to", required=True, help="kafka://..., sqs://... or file://...")
+    prod.add_argument("--batch-id", help="batch_id for every job (default: the file's own, "
+                      "else a new batch_<uuid>)")
+    prod.add_argument("--results", help="results location for the manifest "
+                      "(s3://bucket/prefix or file:///dir; default QWORKER_SINK)")
+    prod.add_argument("--no-manifest", action="store_true", help="do not write a manifest")
+    add_settings_flags(prod, (*STORAGE_FIELDS, *PRODUCE_FIELDS, "sink"))
+
+    stat = sub.add_parser(
+        "status", help="how far a batch is: an OpenAI-batch-like JSON object",
+        description="Print the batch's status (in_progress / completed), request_counts "
+        "{total, completed, failed} and the custom_ids still missing.",
+    )
+    stat.add_argument("--from", dest="from_uri", required=True, help="s3://... or file://...")
+    stat.add_argument("--batch-id", required=True, help="the batch ('default' if none)")
+    stat.add_argument("--wait", type=float, metavar="SECONDS",
+                      help="poll every SECONDS until the batch is completed")
+    stat.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                      help="with --wait: give up (exit 1) after this long")
+    stat.add_argument("--no-cache", action="store_true",
+                      help="read every result again (no local cache of outcomes)")
+    add_settings_flags(stat, STORAGE_FIELDS)
+
+    col = sub.add_parser(
+        "collect", help="merge a batch's stored results into JSONL files",
+        description="Write the batch's results (input order when a manifest exists) to "
+        "--output and failed lines plus conflict records to --errors; list missing ids.",
+    )
+    col.add_argument("--from", dest="from_uri", required=True, help="s3://... or file://...")
+    col.add_argument("--batch-id", required=True, help="the batch to collect ('default' if none)")
+    col.add_argument("-o", "--output", required=True, help="results.jsonl (path or s3://)")
+    col.add_argument("--errors", help="errors.jsonl (default: errors go to --output too)")
+    col.add_argument("--missing", help="write every missing custom_id here, one per line")
+    col.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_settings_flags(col, STORAGE_FIELDS)
+
+
+def produce_command(args: argparse.Namespace, settings: Any) -> int:
+    """``qworker produce``."""
+    from qworker.batch.files import open_input
+    from qworker.batch.manifest import job_items, scan_input, write_manifest
+    from qworker.batch.store import open_store
+    from qworker.worker.sources import produce
+
+    with open_input(args.input, settings) as f:
+        manifest = scan_input(f, args.batch_id, args.input)
+        manifest.to = args.to
+        store = None
+        if not args.no_manifest:
+            results = args.results or settings.sink
+            store = open_store(results, settings)
+            key = write_manifest(store, manifest).removeprefix(store.prefix).lstrip("/")
+            print(f"produce: manifest at {results.rstrip('/')}/{key}", file=sys.stderr)
+        f.seek(0)
+        sent = produce(args.to, job_items(f, manifest.batch_id), settings)
+    skipped = (f" ({manifest.skipped_lines} lines without a custom_id go to the dead-letter "
+               "target)") if manifest.skipped_lines else ""
+    print(f"produce: sent {sent} jobs of batch {manifest.batch_id} to {args.to}{skipped}",
+          file=sys.stderr)
+    print(manifest.batch_id)
+    return 0
+
+
+def status_command(args: argparse.Namespace, settings: Any) -> int:
+    """``qworker status``: print the status object (once, or when completed with --wait)."""
+    from qworker.batch.status import batch_status
+    from qworker.batch.store import open_store
+
+    store = open_store(args.from_uri, settings)
+    started = time.monotonic()
+    while True:
+        status = batch_status(store, args.batch_id, args.from_uri, not args.no_cache)
+        if status["request_counts"]["total"] == 0 and not status["manifest"]:
+            raise ValueError(f"no batch {args.batch_id!r} under {args.from_uri} "
+                             "(no manifest and no results)")
+        if args.wait is None or status["status"] == "completed":
+            break
+        counts = status["request_counts"]
+        print(f"status: {status['status']}: {counts['completed'] + counts['failed']}/"
+              f"{counts['total']} done ({counts['failed']} failed)", file=sys.stderr)
+        if args.timeout is not None and time.monotonic() - started >= args.timeout:
+            print(json.dumps(status, indent=2))
+            raise ValueError(f"batch {args.batch_id} not completed after {args.timeout:.0f}s")
+        time.sleep(args.wait)
+    print(json.dumps(status, indent=2))
+    return 0
+
+
+def collect_command(args: argparse.Namespace, settings: Any) -> int:
+    """``qworker collect``."""
+    import contextlib
+
+    from qworker.batch.collect import collect_batch
+    from qworker.batch.files import open_output
+    from qworker.batch.store import open_store
+
+    store = open_store(args.from_uri, settings)
+    with contextlib.ExitStack() as stack:
+        out = stack.enter_context(open_output(args.output, settings))
+        errors = stack.enter_context(open_output(args.errors, settings)) if args.errors else out
+        stats = collect_batch(store, args.batch_id, out, errors, not args.no_progress)
+        if args.missing:
+            missing = stack.enter_context(open_output(args.missing, settings))
+            missing.write("".join(f"{cid}\n" for cid in stats.missing).encode())
+    total = f" of {stats.total}" if stats.total is not None else ""
+    print(f"collect: {stats.results} results, {stats.errors} errors, {stats.conflicts} "
+          f"conflicts{total} for batch {args.batch_id}", file=sys.stderr)
+    if stats.missing:
+        shown = ", ".join(stats.missing[:_SHOWN_MISSING])
+        more = len(stats.missing) - _SHOWN_MISSING
+        print(f"collect: {len(stats.missing)} missing: {shown}"
+              + (f" (and {more} more{'; see ' + args.missing if args.missing else ''})"
+                 if more > 0 else ""), file=sys.stderr)
+    if stats.total is None:
+        print("collect: no manifest: lines are in key order and missing ids are unknown",
+              file=sys.stderr)
+    return 0

@@ -1,0 +1,166 @@
+"""The manifest ``qworker produce`` writes: what a batch holds, in input order.
+
+Stored as ``<results>/<batch>/_manifest.json`` (docs/formats.md, "Manifest")::
+
+    {"object": "qworker.manifest", "batch_id": "batch_...", "total": 3,
+     "input": "requests.jsonl", "created": 1764460000, "endpoint": "/v1/chat/completions",
+     "to": "kafka://...", "custom_ids": ["a", "b", "c"]}
+
+``scan_input`` is produce's first pass over the input: it refuses duplicate
+``custom_id``s (as OpenAI does), settles the batch id and collects the ids in order;
+``job_items`` is the second pass that yields the messages to send.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+import orjson
+
+from qworker.batch.store import BatchStore
+from qworker.schema import manifest_key
+
+MANIFEST_OBJECT = "qworker.manifest"
+_SHOWN = 5
+
+
+class DuplicateCustomIdError(ValueError):
+    """The input uses one ``custom_id`` on more than one line."""
+
+
+def new_batch_id() -> str:
+    """``batch_<32 hex>``, OpenAI's shape for batch ids."""
+    return f"batch_{uuid.uuid4().hex}"
+
+
+@dataclass(slots=True)
+class Manifest:
+    """One produced batch: ``total`` jobs with these ``custom_ids`` (input order)."""
+
+    batch_id: str
+    total: int
+    input: str
+    created: int
+    custom_ids: list[str]
+    endpoint: str | None = None
+    to: str | None = None
+    skipped_lines: int = 0
+
+    def to_json(self) -> bytes:
+        """The stored form."""
+        return orjson.dumps({
+            "object": MANIFEST_OBJECT, "batch_id": self.batch_id, "total": self.total,
+            "input": self.input, "created": self.created, "endpoint": self.endpoint,
+            "to": self.to, "skipped_lines": self.skipped_lines, "custom_ids": self.custom_ids,
+        })
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Manifest:
+        """Parse a stored manifest; ValueError when it is not one."""
+        obj = orjson.loads(data)
+        if not isinstance(obj, dict) or obj.get("object") != MANIFEST_OBJECT:
+            raise ValueError("not a qworker manifest")
+        ids = obj.get("custom_ids") or []
+        return cls(batch_id=str(obj["batch_id"]), total=int(obj.get("total", len(ids))),
+                   input=str(obj.get("input", "")), created=int(obj.get("created", 0)),
+                   custom_ids=[str(i) for i in ids], endpoint=obj.get("endpoint"),
+                   to=obj.get("to"), skipped_lines=int(obj.get("skipped_lines", 0)))
+
+
+def write_manifest(store: BatchStore, manifest: Manifest) -> str:
+    """Store ``manifest`` beside the batch's results; return its key."""
+    key = manifest_key(store.prefix, manifest.batch_id)
+    store.put(key, manifest.to_json())
+    return key
+
+
+def read_manifest(store: BatchStore, batch_id: str) -> Manifest | None:
+    """The batch's manifest, or None when ``produce`` wrote none (or another tool sent it)."""
+    data = store.get(manifest_key(store.prefix, batch_id))
+    return Manifest.from_json(data) if data is not None else None
+
+
+@dataclass(slots=True)
+class _Scan:
+    ids: list[str] = field(default_factory=list)
+    first_line: dict[str, int] = field(default_factory=dict)
+    duplicates: list[tuple[str, int, int]] = field(default_factory=list)
+    batch_ids: set[str | None] = field(default_factory=set)
+    endpoints: set[str] = field(default_factory=set)
+    skipped: int = 0
+
+
+def scan_input(f: IO[bytes], batch_id: str | None, input_name: str) -> Manifest:
+    """First pass over a requests file: ids in order, duplicates refused, batch id settled.
+
+    ``batch_id`` given: every job gets it. Not given: the jobs' own ``batch_id`` when they
+    all carry the same one, a fresh ``batch_<uuid>`` when none does; a file mixing
+    batch ids needs ``batch_id``. Lines that are not JSON objects with a string
+    ``custom_id`` are counted in ``skipped_lines`` (they are still sent: the worker
+    dead-letters them).
+    """
+    scan = _Scan()
+    for line_no, raw in enumerate(f, 1):
+        body = raw.strip()
+        if not body:
+            continue
+        try:
+            data = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            data = None
+        cid = data.get("custom_id") if isinstance(data, dict) else None
+        if not isinstance(cid, str) or not cid:
+            scan.skipped += 1
+            continue
+        assert isinstance(data, dict)
+        if cid in scan.first_line:
+            scan.duplicates.append((cid, scan.first_line[cid], line_no))
+            continue
+        scan.first_line[cid] = line_no
+        scan.ids.append(cid)
+        own = data.get("batch_id")
+        scan.batch_ids.add(own if isinstance(own, str) and own else None)
+        if isinstance(data.get("url"), str):
+            scan.endpoints.add(data["url"])
+    if scan.duplicates:
+        shown = "; ".join(f"{c!r} on lines {a} and {b}" for c, a, b in scan.duplicates[:_SHOWN])
+        more = len(scan.duplicates) - _SHOWN
+        raise DuplicateCustomIdError(
+            f"{input_name}: {len(scan.duplicates)} duplicate custom_id(s): {shown}"
+            + (f" (and {more} more)" if more > 0 else "")
+            + "; every custom_id must be unique within a batch (nothing was sent)"
+        )
+    if batch_id is None:
+        own_ids = scan.batch_ids - {None}
+        if len(own_ids) > 1 or (own_ids and None in scan.batch_ids):
+            raise ValueError(f"{input_name}: lines carry different batch_ids "
+                             f"({sorted(map(str, scan.batch_ids))[:4]}); pass --batch-id")
+        batch_id = next(iter(own_ids)) if own_ids else new_batch_id()
+    endpoint = next(iter(scan.endpoints)) if len(scan.endpoints) == 1 else None
+    return Manifest(batch_id=batch_id, total=len(scan.ids), input=input_name,
+                    created=int(time.time()), custom_ids=scan.ids, endpoint=endpoint,
+                    skipped_lines=scan.skipped)
+
+
+def job_items(f: IO[bytes], batch_id: str) -> Iterator[tuple[str | None, bytes]]:
+    """Second pass: ``(key, message)`` per non-blank line, ``batch_id`` set on each job."""
+    for raw in f:
+        body = raw.strip()
+        if not body:
+            continue
+        key = None
+        try:
+            data: Any = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            data = None  # sent as is: the worker dead-letters it
+        if isinstance(data, dict):
+            if isinstance(data.get("custom_id"), str):
+                key = data["custom_id"]
+            if data.get("batch_id") != batch_id:
+                data["batch_id"] = batch_id
+                body = orjson.dumps(data)
+        yield key, body

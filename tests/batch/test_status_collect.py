@@ -1,0 +1,166 @@
+"""status and collect over a batch stored in moto S3 (and a directory), via the CLI.
+
+The batch is produced with ``qworker produce`` (manifest included) into a file spool;
+its results are then written as the worker writes them (keys, record shapes), some
+left missing and one conflict added, so every branch shows in one batch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("boto3")
+
+from qworker.cli import main
+from qworker.schema import (
+    conflict_key,
+    conflict_record,
+    dumps,
+    error_of,
+    error_record,
+    parse_job,
+    result_key,
+    success_record,
+)
+from qworker.worker.echo_engine import EchoEngine
+from tests.fixtures.servers import boto_client
+from tests.schema.openai_types import validate_batch, validate_line
+from tests.worker.jobs import completion_job, write_spool
+
+IDS = [f"q{i}" for i in range(12)]
+
+
+def _output(job: Any) -> Any:
+    engine = EchoEngine()
+    engine.add_request("r", job.prompt, job.params)
+    (out,) = engine.step()
+    return out
+
+
+def _write_results(put: Any, prefix: str, batch: str, spool: Path, ids: list[str]) -> None:
+    for line in spool.read_text().splitlines():
+        parsed = parse_job(line.encode())
+        cid = parsed.custom_id
+        if cid not in ids:
+            continue
+        if cid == "q3":
+            record = error_record(cid, batch, "invalid_request", "body.n is bad", param="n")
+        elif cid == "q4":
+            record = error_record(cid, batch, "batch_expired", "deadline passed")
+        else:
+            assert parsed.job is not None
+            record = success_record(parsed.job, _output(parsed.job), "echo")
+        put(result_key(prefix, batch, cid), dumps(record))
+
+
+def _produce(tmp_path: Path, results: str, env: dict[str, str] | None = None) -> str:
+    spool = write_spool(tmp_path / "in.jsonl", [completion_job(cid, f"p-{cid}") for cid in IDS])
+    assert main(["produce", "-i", str(spool), "--to", f"file://{tmp_path}/spool.jsonl",
+                 "--results", results]) == 0
+    return spool.read_text()
+
+
+def _status(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
+    capsys.readouterr()
+    assert main(["status", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_status_and_collect_follow_a_batch_to_completion_on_s3(
+    tmp_path: Path, moto_server: str, s3_bucket: str, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("QWORKER_S3_ENDPOINT_URL", moto_server)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    results = f"s3://{s3_bucket}/out"
+    _produce(tmp_path, results)
+    batch = capsys.readouterr().out.strip()
+    assert batch.startswith("batch_")
+    s3 = boto_client("s3", moto_server)
+
+    def put(key: str, body: bytes) -> None:
+        s3.put_object(Bucket=s3_bucket, Key=key, Body=body)
+
+    status = _status(capsys, "--from", results, "--batch-id", batch)
+    assert status["status"] == "in_progress" and status["missing_count"] == 12
+    assert status["request_counts"] == {"total": 12, "completed": 0, "failed": 0}
+
+    spool = tmp_path / "spool.jsonl"
+    _write_results(put, "out", batch, spool, IDS[:8])
+    status = _status(capsys, "--from", results, "--batch-id", batch)
+    validate_batch(status)
+    assert status["status"] == "in_progress"
+    assert status["request_counts"] == {"total": 12, "completed": 6, "failed": 2}
+    assert status["missing"] == IDS[8:] and status["missing_count"] == 4
+
+    # a conflict (written by the worker when two requests share q1) and the rest
+    put(conflict_key("out", batch, "q1", "f" * 64),
+        dumps(conflict_record("q1", batch, "f" * 64, "e" * 64)))
+    _write_results(put, "out", batch, spool, IDS[8:])
+    status = _status(capsys, "--from", results, "--batch-id", batch, "--wait", "0.1",
+                     "--timeout", "5")
+    assert validate_batch(status).status == "completed"
+    assert status["request_counts"] == {"total": 12, "completed": 10, "failed": 2}
+    assert status["missing"] == [] and status["conflicts"] == 1
+
+    assert main(["collect", "--from", results, "--batch-id", batch, "-o",
+                 f"s3://{s3_bucket}/collected/results.jsonl", "--errors",
+                 f"s3://{s3_bucket}/collected/errors.jsonl"]) == 0
+    out = s3.get_object(Bucket=s3_bucket, Key="collected/results.jsonl")["Body"].read()
+    err = s3.get_object(Bucket=s3_bucket, Key="collected/errors.jsonl")["Body"].read()
+    lines = [json.loads(x) for x in out.splitlines()]
+    errors = [json.loads(x) for x in err.splitlines()]
+    assert [r["custom_id"] for r in lines] == [c for c in IDS if c not in ("q3", "q4")]
+    assert [e["custom_id"] for e in errors] == ["q3", "q4", "q1"]
+    assert [error_of(e)["code"] for e in errors] == [
+        "invalid_request", "batch_expired", "duplicate_custom_id"]
+    for line in lines + errors:
+        validate_line(line)
+
+
+def test_collect_lists_missing_ids_in_input_order(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    results = f"file://{tmp_path}/results"
+    _produce(tmp_path, results)
+    batch = capsys.readouterr().out.strip()
+    root = tmp_path / "results"
+
+    def put(key: str, body: bytes) -> None:
+        (root / key).parent.mkdir(parents=True, exist_ok=True)
+        (root / key).write_bytes(body)
+
+    present = IDS[::2]
+    _write_results(put, "", batch, tmp_path / "spool.jsonl", present)
+    capsys.readouterr()
+    assert main(["collect", "--from", results, "--batch-id", batch, "-o",
+                 str(tmp_path / "r.jsonl"), "--missing", str(tmp_path / "missing.txt"),
+                 "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    missing = [c for c in IDS if c not in present]
+    assert f"collect: {len(missing)} missing: {', '.join(missing)}" in err
+    assert (tmp_path / "missing.txt").read_text().split() == missing
+    got = [json.loads(x)["custom_id"] for x in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert got == present  # errors go to --output too without --errors, in input order
+
+
+def test_produce_refuses_duplicates_and_sends_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spool = write_spool(tmp_path / "in.jsonl", [completion_job("a"), completion_job("a")])
+    assert main(["produce", "-i", str(spool), "--to", f"file://{tmp_path}/spool.jsonl",
+                 "--results", f"file://{tmp_path}/results"]) == 1
+    assert "duplicate custom_id(s): 'a' on lines 1 and 2" in capsys.readouterr().err
+    assert not (tmp_path / "spool.jsonl").exists()
+    assert not (tmp_path / "results").exists()
+
+
+def test_status_of_an_unknown_batch_is_an_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["status", "--from", f"file://{tmp_path}", "--batch-id", "nope"]) == 1
+    assert "no batch 'nope'" in capsys.readouterr().err
