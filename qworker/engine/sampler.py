@@ -133,8 +133,8 @@ class Sampler:
         pen_rows = [i for i, r in enumerate(rows) if r.penalized]
         masks = self._grammar.masks(seqs) if self._grammar is not None else None
         short = [i for i, r in enumerate(rows) if r.min_tokens > pos[i]]
-        # the stages below work in place: on a copy, never on the caller's logits
-        x = logits.clone() if pen_rows or short or masks is not None else logits
+        # penalties and min_tokens work in place: on a copy, never on the caller's logits
+        x = logits.clone() if pen_rows or short else logits
         slots = None
         if pen_rows:
             counts = self._token_counts(vocab, dev)
@@ -150,7 +150,7 @@ class Sampler:
             index = masks.index
             if not (len(index) == allowed.shape[0] and (index == np.arange(len(index))).all()):
                 allowed = allowed.index_select(0, torch.from_numpy(index).to(dev))
-            apply_token_bitmask(x, masks.rows, allowed)
+            x = apply_token_bitmask(x, masks.rows, allowed)
             if dev.type == "cuda":
                 event = torch.cuda.Event()
                 event.record()

@@ -29,14 +29,17 @@ def unpack_allowed(words: torch.Tensor, vocab_size: int, device: torch.device) -
     return ((w.unsqueeze(-1) >> shifts) & 1).view(w.shape[0], -1)[:, :vocab_size].bool()
 
 
-def apply_token_bitmask(logits: torch.Tensor, rows: np.ndarray, allowed: torch.Tensor) -> None:
-    """In place: ``logits[rows[i], t] = -inf`` wherever ``allowed[i, t]`` is False.
+def apply_token_bitmask(logits: torch.Tensor, rows: np.ndarray,
+                        allowed: torch.Tensor) -> torch.Tensor:
+    """``logits`` with ``-inf`` wherever row ``rows[i]``'s ``allowed[i]`` is False.
 
-    ``rows`` holds distinct row indices (host array); ``allowed`` is on the logits' device.
+    ``rows`` holds distinct row indices (host array); ``allowed`` is on the logits'
+    device. One ``torch.where`` over the batch; ``logits`` itself is left untouched.
     """
-    if len(rows) == logits.shape[0] and bool((rows == np.arange(len(rows))).all()):
-        logits.masked_fill_(~allowed, float("-inf"))
-        return
-    index = torch.from_numpy(rows).to(logits.device, non_blocking=True)
-    sub = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
-    logits.index_copy_(0, index, sub)
+    num_rows = logits.shape[0]
+    if len(rows) != num_rows or not bool((rows == np.arange(num_rows)).all()):
+        full = torch.ones(logits.shape, dtype=torch.bool, device=logits.device)
+        full.index_copy_(0, torch.from_numpy(rows).to(logits.device, non_blocking=True),
+                         allowed)
+        allowed = full
+    return torch.where(allowed, logits, float("-inf"))

@@ -23,11 +23,11 @@ def test_unpacked_bits_and_masked_rows_match_a_per_token_reference() -> None:
     logits = torch.randn(5, vocab)
     before = logits.clone()
     rows = np.array([4, 0, 2])
-    apply_token_bitmask(logits, rows, allowed)
+    masked = apply_token_bitmask(logits, rows, allowed)
+    assert torch.equal(logits, before)  # the caller's logits are left alone
     for j, r in enumerate(rows):
         expect = torch.where(allowed[j], before[r], torch.tensor(float("-inf")))
-        assert torch.equal(logits[r], expect)
-    assert torch.equal(logits[1], before[1]) and torch.equal(logits[3], before[3])
-    whole = before[:3].clone()
-    apply_token_bitmask(whole, np.arange(3), allowed)  # every row: masked in place
+        assert torch.equal(masked[r], expect)
+    assert torch.equal(masked[1], before[1]) and torch.equal(masked[3], before[3])
+    whole = apply_token_bitmask(before[:3], np.arange(3), allowed)  # every row, in order
     assert torch.equal(whole.isinf(), ~allowed)
