@@ -346,6 +346,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="structured: max_tokens of each answer (default 96)")
     p.add_argument("--max-string", type=int, default=24,
                    help="structured: maxLength given to the schemas' strings (default 24)")
+    p.add_argument("--tokenizer", default=None,
+                   help="structured: tokenizer dir for the random model (default: SmolLM2's)")
     p.add_argument("--rounds", type=int, default=3,
                    help="structured: runs of each variant, alternating; best counts (default 3)")
     p.add_argument("--temperature", type=float, default=0.0,

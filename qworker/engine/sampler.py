@@ -23,6 +23,7 @@ the host gets them, with the logprobs, in one copy (``sampler_output``).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -96,7 +97,11 @@ class Sampler:
             backend = GrammarBackend(
                 self.tokenizer, self.vocab_size, list(self.eos_token_ids),
                 compile_timeout=self._compile_timeout or DEFAULT_COMPILE_TIMEOUT)
-            self._grammar = GrammarManager(backend, pin_memory=self.device.type == "cuda")
+            gpu = self.device.type == "cuda"
+            # Overlap fills with the forward only where a core is free for them: the GPU
+            # runs a CUDA forward; a CPU forward uses torch's threads.
+            spare = (os.cpu_count() or 1) > torch.get_num_threads()
+            self._grammar = GrammarManager(backend, pin_memory=gpu, overlap=gpu or spare)
         return self._grammar
 
     # ---- per step (engine thread) ----------------------------------------------------

@@ -10,7 +10,10 @@ special: the matcher always matches the tokens the sequence keeps.
 
 ``prepare(seqs)`` starts filling the step's masks on a helper thread (llguidance
 drops the GIL), so the fill overlaps the model's forward; ``masks(seqs)`` waits for
-it and fills whatever the prepared set missed (siblings forked this step).
+it and fills whatever the prepared set missed (siblings forked this step). The overlap
+is off (``overlap=False``: fills happen in ``masks``) when the forward itself keeps
+every core busy, as a CPU forward on all cores does: a fill thread competing with
+torch's threads slowed that forward several times over on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -60,8 +63,10 @@ class StepMasks:
 class GrammarManager:
     """Per-sequence matchers and batched mask fills for one engine (engine thread)."""
 
-    def __init__(self, backend: GrammarBackend, pin_memory: bool = False) -> None:
+    def __init__(self, backend: GrammarBackend, pin_memory: bool = False,
+                 overlap: bool = True) -> None:
         self.backend = backend
+        self.overlap = overlap
         self.words = words_per_mask(backend.vocab_size)
         self._pin = pin_memory
         self._buffer = torch.empty(0, self.words, dtype=torch.int32)
@@ -87,7 +92,7 @@ class GrammarManager:
             self._prepared[1].result()
             self._prepared = None
         todo = [s for s in seqs if s.request.params.structured_outputs is not None]
-        if not todo:
+        if not todo or not self.overlap:
             return
         self._wait_copy()
         self._grow(len(todo))

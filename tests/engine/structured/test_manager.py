@@ -63,13 +63,15 @@ def test_matcher_follows_appended_and_taken_back_tokens(backend: Any,
     assert (_bits(back, 0) == _fresh_bits(backend, answer[:-3])).all()
 
 
+@pytest.mark.parametrize("overlap", [True, False])
 def test_prepared_fill_covers_the_batch_and_siblings_are_filled_on_demand(
-    backend: Any, smollm2_tokenizer: Any,
+    backend: Any, smollm2_tokenizer: Any, overlap: bool,
 ) -> None:
-    manager = GrammarManager(backend)
+    manager = GrammarManager(backend, overlap=overlap)
     a, free = _seq(smollm2_tokenizer), make_seq([5], SamplingParams())
     a.token_ids.extend(smollm2_tokenizer.encode('{"name": "', add_special_tokens=False))
     manager.prepare([a, free])
+    assert (manager._prepared is not None) == overlap
     sibling = make_seq(list(a.token_ids[:3]), a.request.params, index=1, request=a.request)
     masks = manager.masks([free, a, sibling])
     assert masks is not None and masks.rows.tolist() == [1, 2]
