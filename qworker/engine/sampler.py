@@ -94,14 +94,16 @@ class Sampler:
 
             if self.vocab_size is None:
                 raise InvalidRequestError("structured outputs need the model's vocabulary size")
+            gpu = self.device.type == "cuda"
+            # Overlap fills with the forward, and fill on a thread pool, only where cores
+            # are free for it: the GPU runs a CUDA forward; a CPU forward uses torch's
+            # threads, and extra threads competing with them slow it down.
+            spare = gpu or (os.cpu_count() or 1) > torch.get_num_threads()
             backend = GrammarBackend(
                 self.tokenizer, self.vocab_size, list(self.eos_token_ids),
-                compile_timeout=self._compile_timeout or DEFAULT_COMPILE_TIMEOUT)
-            gpu = self.device.type == "cuda"
-            # Overlap fills with the forward only where a core is free for them: the GPU
-            # runs a CUDA forward; a CPU forward uses torch's threads.
-            spare = (os.cpu_count() or 1) > torch.get_num_threads()
-            self._grammar = GrammarManager(backend, pin_memory=gpu, overlap=gpu or spare)
+                compile_timeout=self._compile_timeout or DEFAULT_COMPILE_TIMEOUT,
+                num_threads=None if spare else 0)
+            self._grammar = GrammarManager(backend, pin_memory=gpu, overlap=spare)
         return self._grammar
 
     # ---- per step (engine thread) ----------------------------------------------------

@@ -67,8 +67,9 @@ class GrammarBackend:
 
     ``tokenizer`` is the model's Hugging Face (fast) tokenizer; ``vocab_size`` the width
     of the logits; ``eos_token_ids`` the ids that end generation (allowed exactly when
-    the grammar is complete). Thread-safe: ``compile`` runs on request threads, the
-    rest on the engine thread.
+    the grammar is complete). ``num_threads`` sizes llguidance's fill pool (None: its
+    default; 0: no pool, masks are filled one by one on the calling thread). Thread-safe:
+    ``compile`` runs on request threads, the rest on the engine thread.
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int],
@@ -111,7 +112,8 @@ class GrammarBackend:
                 ) from None
             self._llg = llg
             self._limits = llg.LLParserLimits(verbose_errors=False)
-            self._executor = llg.LLExecutor(num_threads=self._num_threads)
+            if self._num_threads != 0:
+                self._executor = llg.LLExecutor(num_threads=self._num_threads)
             self._pool = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="qworker-grammar-compile")
             self._tokenizer = tokenizer
@@ -193,9 +195,16 @@ class GrammarBackend:
 
         ``masks`` is a contiguous CPU int32 ``[rows, words_per_mask(vocab)]`` tensor.
         """
-        if pairs:
-            self._executor.unsafe_compute_mask_ptr(
-                pairs, masks.data_ptr(), masks.shape[1] * 4, masks.shape[0])
+        if not pairs:
+            return
+        if self._executor is None:  # num_threads=0: on the calling thread, no pool
+            row_bytes = masks.shape[1] * 4
+            base = masks.data_ptr()
+            for matcher, row in pairs:
+                matcher.unsafe_compute_mask_ptr(base + row * row_bytes, row_bytes)
+            return
+        self._executor.unsafe_compute_mask_ptr(
+            pairs, masks.data_ptr(), masks.shape[1] * 4, masks.shape[0])
 
 
 def grammar_text(llg: Any, kind: str, text: str) -> str:
