@@ -4,6 +4,7 @@ penalties against a plain reference, min_tokens, and the device-resident output.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from qworker.engine.sampler import Sampler, seeded_uniforms
@@ -255,3 +256,44 @@ def test_sampler_output_keeps_ids_on_the_device_and_unpacks_once() -> None:
     assert abs(out.logprobs[2] - ref[2, out.token_ids[2]].item()) < 1e-6
     plain = Sampler().sample(logits, [make_seq([1], SamplingParams(temperature=0))] * 3)
     assert plain.logprobs == [None] * 3 and plain.token_ids == logits.argmax(-1).tolist()
+
+
+# ------------------------------------------------------------------ on the GPU
+
+
+@pytest.mark.gpu
+def test_cuda_sampler_matches_cpu_and_copies_back_once() -> None:
+    logits = _logits(6, seed=21)
+    seqs = [_with_output([1, 2], [5, 5], SamplingParams(temperature=0)),
+            _with_output([1, 2], [5, 5], SamplingParams(temperature=0, repetition_penalty=1.5,
+                                                        frequency_penalty=0.7, logprobs=3)),
+            _with_output([1], [], SamplingParams(temperature=0, min_tokens=2)),
+            _with_output([1], [9], SamplingParams(temperature=0.9, seed=4, top_k=5)),
+            _with_output([1], [9], SamplingParams(temperature=0.7, seed=5, top_p=0.8)),
+            _with_output([1], [9], SamplingParams(temperature=1.1, seed=6, min_p=0.1))]
+    cpu = Sampler(eos_token_ids=[2]).sample(logits, seqs)
+    gpu_sampler = Sampler("cuda", eos_token_ids=[2])
+    out = gpu_sampler.sample(logits.cuda(), seqs)
+    assert out.token_ids_device.is_cuda
+    out.to_host()
+    assert out.token_ids[:3] == cpu.token_ids[:3]
+    assert out.top_logprobs[1] is not None and cpu.top_logprobs[1] is not None
+    assert set(out.top_logprobs[1]) == set(cpu.top_logprobs[1])
+    alone = [gpu_sampler.sample(logits[i:i + 1].cuda(), [seqs[i]]).token_ids[0] for i in (3, 4, 5)]
+    assert alone == out.token_ids[3:]
+
+
+@pytest.mark.gpu
+def test_bitmask_unpacks_the_same_on_the_gpu() -> None:
+    from qworker.engine.structured.bitmask import apply_token_bitmask, unpack_allowed
+
+    rng = np.random.default_rng(3)
+    words = torch.from_numpy(rng.integers(-(2**31), 2**31, size=(4, 40), dtype=np.int64)
+                             .astype(np.int32))
+    cpu = unpack_allowed(words, 1270, torch.device("cpu"))
+    gpu = unpack_allowed(words.pin_memory(), 1270, torch.device("cuda"))
+    assert torch.equal(gpu.cpu(), cpu)
+    logits = torch.randn(6, 1270)
+    rows = np.array([5, 1, 0, 3])
+    assert torch.equal(apply_token_bitmask(logits.cuda(), rows, gpu).cpu(),
+                       apply_token_bitmask(logits, rows, cpu))

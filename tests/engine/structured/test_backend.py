@@ -127,3 +127,20 @@ def test_without_llguidance_a_structured_request_gets_a_clear_error(
         load_llguidance()
     with pytest.raises(InvalidRequestError, match="structured outputs need the llguidance"):
         GrammarBackend(None, 100, [2]).compile(StructuredOutputsParams(regex="a"))
+
+
+def test_fill_without_a_pool_writes_the_same_masks(backend: GrammarBackend,
+                                                   smollm2_tokenizer: Any) -> None:
+    serial = GrammarBackend(smollm2_tokenizer, 49152, [2], num_threads=0)
+    spec = StructuredOutputsParams(json=SCHEMA)
+    prefix = smollm2_tokenizer.encode('{"n": 1', add_special_tokens=False)
+    masks = []
+    for b in (backend, serial):
+        grammar = b.compile(spec)
+        fresh, moved = b.new_matcher(grammar), b.new_matcher(grammar)
+        assert moved.consume_tokens(prefix)
+        out = torch.zeros(3, words_per_mask(49152), dtype=torch.int32)
+        b.fill([(moved, 2), (fresh, 0)], out)
+        masks.append(out)
+    assert torch.equal(masks[0], masks[1]) and not masks[0][1].any()
+    assert not torch.equal(masks[0][0], masks[0][2])
