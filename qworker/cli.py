@@ -99,6 +99,9 @@ def _settings_error(exc: ValidationError) -> str:
     for err in exc.errors():
         name = ".".join(str(p) for p in err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
+        if not name:  # a rule across settings (Kafka security): its message names them
+            lines.append(f"  {msg}")
+            continue
         lines.append(f"  {name} (--{name.replace('_', '-')} / QWORKER_{name.upper()}): {msg}")
     return "\n".join(lines)
 

@@ -171,6 +171,13 @@ def test_bad_settings_exit_1_with_a_clear_message(capsys) -> None:
     assert "source (--source / QWORKER_SOURCE): source 'ftp://x/y' must be kafka://" in err
 
 
+def test_a_rule_across_settings_names_them_not_an_empty_flag(capsys) -> None:
+    assert main(["run", "--kafka-security-protocol", "SASL_SSL"]) == 1
+    err = capsys.readouterr().err
+    assert "  kafka_security_protocol=SASL_SSL needs kafka_sasl_mechanism" in err
+    assert "(-- / QWORKER_)" not in err
+
+
 def test_missing_source_file_exits_1(tmp_path: Path, capsys) -> None:
     code = main(
         [
