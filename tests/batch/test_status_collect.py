@@ -164,3 +164,60 @@ def test_status_of_an_unknown_batch_is_an_error(
 ) -> None:
     assert main(["status", "--from", f"file://{tmp_path}", "--batch-id", "nope"]) == 1
     assert "no batch 'nope'" in capsys.readouterr().err
+
+
+def test_collect_of_an_unknown_batch_is_an_error_and_leaves_earlier_files_alone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    results = f"file://{tmp_path}/results"
+    _produce(tmp_path, results)
+    capsys.readouterr()
+    earlier = tmp_path / "r.jsonl"
+    earlier.write_text('{"kept": true}\n')
+    assert main(["collect", "--from", results, "--batch-id", "typo", "-o", str(earlier),
+                 "--no-progress"]) == 1
+    assert "no batch 'typo'" in capsys.readouterr().err
+    assert earlier.read_text() == '{"kept": true}\n'
+
+
+def test_status_wait_refuses_a_batch_without_a_manifest_instead_of_waiting_forever(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # results written by workers, but no `qworker produce` manifest: never "completed"
+    root = tmp_path / "results"
+
+    def put(key: str, body: bytes) -> None:
+        (root / key).parent.mkdir(parents=True, exist_ok=True)
+        (root / key).write_bytes(body)
+
+    spool = write_spool(tmp_path / "in.jsonl", [completion_job(c, f"p-{c}") for c in IDS[:3]])
+    _write_results(put, "", "nomanifest", spool, IDS[:3])
+    capsys.readouterr()
+    assert main(["status", "--from", f"file://{root}", "--batch-id", "nomanifest",
+                 "--wait", "0.01", "--timeout", "30"]) == 1
+    captured = capsys.readouterr()
+    assert "has no manifest" in captured.err and "--wait" in captured.err
+    assert json.loads(captured.out)["request_counts"]["total"] == 3
+
+
+def test_a_missing_bucket_is_one_line_and_exit_1_for_every_batch_command(
+    tmp_path: Path, moto_server: str, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("QWORKER_S3_ENDPOINT_URL", moto_server)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    spool = write_spool(tmp_path / "in.jsonl", [completion_job("a")])
+    where = "s3://no-such-bucket-r13/out"
+    for argv in (["status", "--from", where, "--batch-id", "b"],
+                 ["collect", "--from", where, "--batch-id", "b", "-o", str(tmp_path / "o")],
+                 ["produce", "-i", str(spool), "--to", f"file://{tmp_path}/s.jsonl",
+                  "--results", where],
+                 ["produce", "-i", "s3://no-such-bucket-r13/in.jsonl", "--to",
+                  f"file://{tmp_path}/s.jsonl", "--no-manifest"]):
+        capsys.readouterr()
+        assert main(argv) == 1, argv
+        err = capsys.readouterr().err
+        assert err.startswith(f"qworker {argv[0]}: "), err
+        assert "NoSuchBucket" in err or "in.jsonl does not exist" in err, err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "s.jsonl").exists()  # nothing sent when the manifest failed
