@@ -71,9 +71,28 @@ class Manifest:
                    to=obj.get("to"), skipped_lines=int(obj.get("skipped_lines", 0)))
 
 
+class BatchExistsError(ValueError):
+    """The batch id already has a manifest listing other ``custom_id``s."""
+
+
 def write_manifest(store: BatchStore, manifest: Manifest) -> str:
-    """Store ``manifest`` beside the batch's results; return its key."""
+    """Store ``manifest`` beside the batch's results; return its key.
+
+    A manifest already stored for the batch id is kept when it lists the same
+    ``custom_ids`` in the same order (sending a file again; its ``created`` stays), and
+    refused with ``BatchExistsError`` when it lists others: replacing it would make the
+    earlier jobs' results "unexpected" and change the batch's total behind its back.
+    """
     key = manifest_key(store.prefix, manifest.batch_id)
+    stored = read_manifest(store, manifest.batch_id)
+    if stored is not None:
+        if stored.custom_ids != manifest.custom_ids:
+            raise BatchExistsError(
+                f"batch {manifest.batch_id!r} already has a manifest ({stored.total} jobs from "
+                f"{stored.input or 'another input'}) with other custom_ids; pass another "
+                "--batch-id (or --no-manifest to send without a manifest)"
+            )
+        manifest.created = stored.created
     store.put(key, manifest.to_json())
     return key
 

@@ -221,3 +221,31 @@ def test_a_missing_bucket_is_one_line_and_exit_1_for_every_batch_command(
         assert "NoSuchBucket" in err or "in.jsonl does not exist" in err, err
         assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "s.jsonl").exists()  # nothing sent when the manifest failed
+
+
+def test_produce_never_replaces_another_files_manifest_under_the_same_batch_id(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    results = f"file://{tmp_path}/results"
+    first = write_spool(tmp_path / "a.jsonl", [completion_job(c) for c in IDS])
+    other = write_spool(tmp_path / "b.jsonl", [completion_job("z1"), completion_job("z2")])
+    spool = tmp_path / "spool.jsonl"
+
+    def produce(path: Path) -> int:
+        return main(["produce", "-i", str(path), "--to", f"file://{spool}", "--batch-id",
+                     "nightly", "--results", results])
+
+    assert produce(first) == 0
+    manifest = tmp_path / "results" / "nightly" / "_manifest.json"
+    before = json.loads(manifest.read_text())
+    sent = spool.read_text()
+    capsys.readouterr()
+    assert produce(other) == 1
+    err = capsys.readouterr().err
+    assert "batch 'nightly' already has a manifest (12 jobs from" in err and "--batch-id" in err
+    assert spool.read_text() == sent  # nothing sent
+    assert json.loads(manifest.read_text()) == before
+    # sending the same file again (say, after a failed send) is fine and keeps `created`
+    assert produce(first) == 0
+    again = json.loads(manifest.read_text())
+    assert (again["custom_ids"], again["created"]) == (IDS, before["created"])
