@@ -249,3 +249,29 @@ def test_produce_never_replaces_another_files_manifest_under_the_same_batch_id(
     assert produce(first) == 0
     again = json.loads(manifest.read_text())
     assert (again["custom_ids"], again["created"]) == (IDS, before["created"])
+
+
+def test_results_of_ids_outside_the_manifest_never_count_past_the_total(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    results = f"file://{tmp_path}/results"
+    _produce(tmp_path, results)
+    batch = capsys.readouterr().out.strip()
+    root = tmp_path / "results"
+
+    def put(key: str, body: bytes) -> None:
+        (root / key).parent.mkdir(parents=True, exist_ok=True)
+        (root / key).write_bytes(body)
+
+    _write_results(put, "", batch, tmp_path / "spool.jsonl", IDS)
+    # jobs of this batch id sent by another tool, not in the manifest
+    extra = write_spool(tmp_path / "x.jsonl", [completion_job(c) for c in ("x1", "x2")])
+    for line in extra.read_text().splitlines():
+        job = parse_job(line.encode()).job
+        assert job is not None
+        put(result_key("", batch, job.custom_id), dumps(success_record(job, _output(job), "e")))
+    status = _status(capsys, "--from", results, "--batch-id", batch)
+    assert status["request_counts"] == {"total": 12, "completed": 10, "failed": 2}
+    assert status["unexpected"] == 2 and status["status"] == "completed"
+    validate_batch(status)
