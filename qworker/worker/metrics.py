@@ -112,6 +112,11 @@ class WorkerMetrics:
         self.jobs_duplicate = Counter(
             "qworker_jobs_duplicate", "Results already present in the sink", registry=r
         )
+        self.jobs_conflict = Counter(
+            "qworker_jobs_conflict",
+            "Jobs whose custom_id already held another request's result (duplicate_custom_id)",
+            registry=r,
+        )
         self.jobs_dead_lettered = Counter(
             "qworker_jobs_dead_lettered", "Messages sent to the dead-letter target", registry=r
         )
