@@ -20,6 +20,7 @@ STORAGE_FIELDS = ("s3_endpoint_url", "aws_region")
 PRODUCE_FIELDS = (
     "sqs_endpoint_url", "kafka_security_protocol", "kafka_sasl_mechanism",
     "kafka_sasl_username", "kafka_sasl_password", "kafka_ssl_cafile", "kafka_compression",
+    "max_job_bytes",
 )
 _SHOWN_MISSING = 20
 
@@ -81,7 +82,7 @@ def produce_command(args: argparse.Namespace, settings: Any) -> int:
     from qworker.worker.sources import produce
 
     with open_input(args.input, settings) as f:
-        manifest = scan_input(f, args.batch_id, args.input)
+        manifest = scan_input(f, args.batch_id, args.input, settings.max_job_bytes)
         manifest.to = args.to
         store = None
         if not args.no_manifest:
