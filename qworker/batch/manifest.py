@@ -131,6 +131,8 @@ def scan_input(
     batch id set), is refused (``JobTooLargeError``): the worker would answer it only with
     an error, and a queue may not carry it at all.
     """
+    if batch_id is not None and not batch_id:
+        raise ValueError("--batch-id must not be empty (a job's batch_id is a non-empty string)")
     scan = _Scan()
     fresh = new_batch_id()
     for line_no, raw in enumerate(f, 1):

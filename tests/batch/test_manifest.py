@@ -89,3 +89,9 @@ def test_jobs_over_max_job_bytes_as_sent_are_refused_before_anything_is_sent() -
     f.seek(0)
     ((_, body),) = list(job_items(f, manifest.batch_id))
     assert limit - 60 < len(body) <= limit
+
+
+def test_an_empty_batch_id_is_refused() -> None:
+    # every job would carry batch_id "" and be answered with an invalid_request line
+    with pytest.raises(ValueError, match="--batch-id must not be empty"):
+        scan_input(_file(_job("a")), "", "in.jsonl")
