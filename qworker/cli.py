@@ -11,6 +11,7 @@ import asyncio
 import importlib
 import importlib.util
 import logging
+import os
 import sys
 import threading
 import types
@@ -30,6 +31,7 @@ from qworker.batch.commands import (
     status_command,
 )
 from qworker.config import ENGINE_FIELDS, WorkerSettings
+from qworker.worker.exit_codes import ExitCode
 
 T = TypeVar("T")
 
@@ -158,7 +160,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "cost":
         return _cost(argv[1:])
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # a usage error is a configuration error: exit 1, not 2
+        raise SystemExit(1 if exc.code == 2 else exc.code) from None
     try:
         settings = load_settings(args)
     except ValidationError as exc:
@@ -195,12 +200,20 @@ def _run(args: argparse.Namespace, settings: WorkerSettings) -> int:
 
     configure_logging(settings.log_level, settings.log_format)
     code, summary = asyncio.run(serve(settings))
+    if code == ExitCode.CONFIG:
+        return code  # the one line saying why was logged; no summary of nothing
     if settings.log_format == "json":
         logging.getLogger("qworker.cli").info("qworker run summary", extra=summary.as_dict())
     else:
         print(
             f"qworker run summary (results in {settings.sink})\n{summary.text()}", file=sys.stderr
         )
+    if code == ExitCode.ENGINE:
+        # A hung engine step may never return: do not wait for its thread at exit.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(code)
     return code
 
 

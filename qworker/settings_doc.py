@@ -21,7 +21,8 @@ GROUPS = ("source and sink", "kafka security", "engine", "worker", "observabilit
 
 _KAFKA_SECURITY = ("kafka_security_protocol", "kafka_sasl_", "kafka_ssl_", "kafka_compression")
 _UNIT_OVERRIDES = {"sqs_visibility_timeout": "seconds", "until_idle": "seconds",
-                   "metrics_port": "port", "admission_buffer_blocks": "blocks"}
+                   "metrics_port": "port", "admission_buffer_blocks": "blocks",
+                   "engine_step_timeout": "seconds"}
 _SUFFIX_UNITS = (("_seconds", "seconds"), ("_ms", "milliseconds"), ("_bytes", "bytes"),
                  ("_blocks", "blocks"))
 

@@ -166,7 +166,7 @@ def test_produce_then_run_then_collect_over_files(tmp_path: Path) -> None:
 
 
 def test_bad_settings_exit_1_with_a_clear_message(capsys) -> None:
-    assert main(["run", "--source", "ftp://x/y"]) == 1
+    assert main(["run", "--source", "ftp://x/y"]) == 1  # configuration: do not retry
     err = capsys.readouterr().err
     assert "source (--source / QWORKER_SOURCE): source 'ftp://x/y' must be kafka://" in err
 
@@ -178,7 +178,7 @@ def test_a_rule_across_settings_names_them_not_an_empty_flag(capsys) -> None:
     assert "(-- / QWORKER_)" not in err
 
 
-def test_missing_source_file_exits_1(tmp_path: Path, capsys) -> None:
+def test_missing_source_file_exits_1_with_one_line(tmp_path: Path, capsys) -> None:
     code = main(
         [
             "run",
@@ -194,8 +194,9 @@ def test_missing_source_file_exits_1(tmp_path: Path, capsys) -> None:
             "",
         ]
     )
-    assert code == 1
-    assert "nope.jsonl does not exist" in capsys.readouterr().err
+    assert code == 1  # a configuration error: do not retry (docs/operations.md)
+    err = capsys.readouterr().err
+    assert "nope.jsonl does not exist" in err and "Traceback" not in err
 
 
 def test_python_dash_m_qworker_shows_help() -> None:

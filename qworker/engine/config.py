@@ -87,6 +87,9 @@ class EngineConfig:
         None, "the model name results report; default: the model dir's or hub id's last part")
     seed: int = knob(0, "engine seed (unseeded sampling draws from it)")
     tokenizer: str | None = knob(None, "tokenizer dir or hub id; default: the model's")
+    model_cache: str | None = knob(
+        None, "where s3:// models are copied; default $XDG_CACHE_HOME, $HF_HOME or ~/.cache "
+        "(/qworker/models), the temp dir when that is read-only")
 
 
 def served_model_name(config: EngineConfig) -> str:
@@ -157,7 +160,7 @@ def check_knob(name: str, value: Any) -> Any:
         raise ValueError(f"{name} must be true or false, got {value!r}")
     if name == "seed" and not _is_int(value):
         raise ValueError(f"seed must be an integer, got {value!r}")
-    if name in ("served_model_name", "tokenizer") and value is not None and (
+    if name in ("served_model_name", "tokenizer", "model_cache") and value is not None and (
         not isinstance(value, str) or not value
     ):
         raise ValueError(f"{name} must be a non-empty string, got {value!r}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -74,9 +75,10 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     dtype = resolve_dtype(config.dtype, device)
     if config.seed is not None:
         torch.manual_seed(config.seed)
-    loaded = load_model(config.model, dtype, device)
+    cache = Path(config.model_cache) if config.model_cache else None
+    loaded = load_model(config.model, dtype, device, cache_dir=cache)
     spec = loaded.spec
-    tokenizer = load_tokenizer(config.tokenizer or loaded.source)
+    tokenizer = load_tokenizer(config.tokenizer or loaded.source, cache_dir=cache)
     max_model_len = config.max_model_len or spec.max_position_embeddings
     if max_model_len > spec.max_position_embeddings:
         raise ValueError(

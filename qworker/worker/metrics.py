@@ -1,5 +1,11 @@
 """Prometheus metrics (docs/formats.md, "Metrics"), plus ``/healthz`` and ``/readyz``.
 
+``/readyz`` answers 200 while ``ready`` (model loaded, not draining) and no health
+problem is active; ``/healthz`` 200 while no problem is active. Problems are named
+conditions the worker sets while they hold (``source``, ``sink``, ``dead_letter``
+failing; ``engine`` hung or dead), the states that end in exit 69 or 70
+(docs/operations.md, "Health").
+
 Engine gauges and counters follow ``engine.stats()`` (counters advance by the delta
 since the last snapshot) and carry a ``model_name`` label (the served name), as vLLM's
 do; the latency histograms (time to first token, end to end, queue time, inter-token
@@ -133,8 +139,29 @@ class WorkerMetrics:
             "qworker_spot_interruptions", "Spot interruption notices seen", registry=r
         )
         self.ready = False
+        self._problems: set[str] = set()
+        self._problem_lock = threading.Lock()
         self._last: dict[str, float] = {}
         self._server: ThreadingHTTPServer | None = None
+
+    def set_problem(self, name: str, active: bool) -> None:
+        """Mark the health problem ``name`` active or over (any thread)."""
+        with self._problem_lock:
+            if active:
+                self._problems.add(name)
+            else:
+                self._problems.discard(name)
+
+    @property
+    def problems(self) -> list[str]:
+        """The active health problems, sorted."""
+        with self._problem_lock:
+            return sorted(self._problems)
+
+    @property
+    def healthy(self) -> bool:
+        """True while no health problem is active."""
+        return not self.problems
 
     def set_model(self, model_name: str) -> None:
         """Name the served model: engine series get ``model_name``, ``qworker_info`` too."""
@@ -208,12 +235,15 @@ class WorkerMetrics:
                 if path == "/metrics":
                     self._send(200, metrics.exposition(), CONTENT_TYPE_LATEST)
                 elif path == "/healthz":
-                    self._send(200, b"ok\n", "text/plain")
+                    problems = metrics.problems
+                    body = ("failing: " + ", ".join(problems) if problems else "ok") + "\n"
+                    self._send(503 if problems else 200, body.encode(), "text/plain")
                 elif path == "/readyz":
-                    ok = metrics.ready
-                    self._send(
-                        200 if ok else 503, b"ready\n" if ok else b"not ready\n", "text/plain"
-                    )
+                    problems = metrics.problems
+                    ok = metrics.ready and not problems
+                    body = "ready" if ok else ("failing: " + ", ".join(problems)
+                                               if problems else "not ready")
+                    self._send(200 if ok else 503, (body + "\n").encode(), "text/plain")
                 else:
                     self._send(404, b"not found\n", "text/plain")
 
