@@ -1,18 +1,23 @@
 #!/usr/bin/env bash
-# The one-shot GPU check (issue 5): kernel tests, decode microbenchmark, end-to-end engine
-# benchmark and fixed-length throughput, each under its own time limit (about 8 minutes in
-# all on an H200); a stage that fails or times out is recorded and the next one still runs.
+# The one-shot GPU check (issue 5): kernel tests, decode microbenchmark, decode step time
+# (CUDA graphs on/off, batch 1/32/256, beside the weight-read bound, one profiled step),
+# end-to-end engine benchmark against transformers and fixed-length throughput, each under
+# its own time limit (about 8 minutes in all on an H200); a stage that fails or times out is
+# recorded and the next one still runs. The Llama-3.1-8B-shaped models are built with random
+# weights on the GPU in each process (load_format=dummy): nothing is written to disk.
 #
 # Usage: scripts/gpu_check.sh [--dry-run]
 #   OUT                          results folder (default ./out)
 #   PYTHON                       interpreter (default python3: the GPU machine's own, no venv)
 #   --dry-run, or QWORKER_GPU_CHECK_DRY_RUN=1: every stage on the CPU at toy sizes (plumbing)
 #   QWORKER_GPU_CHECK_SKIP="engine fixed_len"  stages to skip (names as in the report)
-#   QWORKER_GPU_CHECK_MODEL_DIR  where the random Llama-3.1-8B-shaped model is written/reused
+#   QWORKER_GPU_CHECK_MODEL_DIR  a model dir with weights to use instead of the random 8B shape
 #   QWORKER_BENCH_ENGINE_ARGS    extra arguments for scripts/bench_engine.py
-#   FIXED_SECONDS                measuring time of the fixed-length run (default 90)
-# Files under $OUT (flat, at most 8): report.json, report.md, gpu_check.log (every stage's
-# output), pytest.xml, kernels.json, engine.json, fixed_len.json.
+#   FIXED_SECONDS                measuring time of the fixed-length run (default 80: long
+#                                enough for the first 1000/1000 requests to finish)
+# Files under $OUT (flat): report.json, report.md, gpu_check.log (every stage's output),
+# pytest.xml, kernels.json, step_time.json, decode_step_trace.json.gz, engine.json,
+# fixed_len.json.
 # Exit status: 0 when every stage passed, 1 otherwise (the report says which and why).
 set -euo pipefail
 
@@ -25,7 +30,7 @@ for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY=1 ;;
     -h | --help)
-      sed -n '2,17p' "$0"
+      sed -n '2,21p' "$0"
       exit 0
       ;;
     *)
@@ -51,22 +56,20 @@ T_INFO=${T_INFO:-15}
 T_PRECOMPILE=${T_PRECOMPILE:-30}
 T_PYTEST=${T_PYTEST:-60}
 T_KERNELS=${T_KERNELS:-55}
-T_MODEL=${T_MODEL:-60}
-T_ENGINE=${T_ENGINE:-120}
-T_FIXED=${T_FIXED:-130}
-FIXED_SECONDS=${FIXED_SECONDS:-90}
+T_STEP=${T_STEP:-90}
+T_ENGINE=${T_ENGINE:-100}
+T_FIXED=${T_FIXED:-120}
+FIXED_SECONDS=${FIXED_SECONDS:-80}
 
 DRY_FLAG=()
 if [[ "$DRY" == 1 ]]; then
   # toy sizes, but on a shared development CPU everything (imports included) is slower
   T_INFO=$((T_INFO * 3)) T_PYTEST=$((T_PYTEST * 3)) T_KERNELS=$((T_KERNELS * 3))
-  T_MODEL=$((T_MODEL * 3)) T_ENGINE=$((T_ENGINE * 3)) T_FIXED=$((T_FIXED * 3))
+  T_STEP=$((T_STEP * 3)) T_ENGINE=$((T_ENGINE * 3)) T_FIXED=$((T_FIXED * 3))
   DRY_FLAG=(--dry-run)
-  MODEL_DIR=${QWORKER_GPU_CHECK_MODEL_DIR:-$WORK/tiny_llama}
   FIXED_SECONDS=10
-else
-  MODEL_DIR=${QWORKER_GPU_CHECK_MODEL_DIR:-/tmp/qworker_llama31_8b_random}
 fi
+MODEL_DIR=${QWORKER_GPU_CHECK_MODEL_DIR:-}
 
 log() { echo "$*" | tee -a "$LOG"; }
 
@@ -154,8 +157,8 @@ run_stage pytest "$T_PYTEST" "$PYTHON" -m pytest -m gpu tests/ -q -p no:cachepro
   --continue-on-collection-errors --junitxml="$OUT/pytest.xml"
 run_stage kernels "$T_KERNELS" "$PYTHON" scripts/bench_kernels.py --iters 10 \
   --out "$OUT/kernels.json" ${DRY_FLAG[@]+"${DRY_FLAG[@]}"}
-run_stage model "$T_MODEL" "$PYTHON" scripts/bench_fixed_len.py \
-  --make-model "$MODEL_DIR" ${DRY_FLAG[@]+"${DRY_FLAG[@]}"}
+run_stage step_time "$T_STEP" "$PYTHON" scripts/bench_step_time.py --out "$OUT/step_time.json" \
+  --trace "$OUT" ${DRY_FLAG[@]+"${DRY_FLAG[@]}"}
 
 if [[ -f scripts/bench_engine.py ]]; then
   engine_help=$("$PYTHON" scripts/bench_engine.py --help 2>&1 || true)
@@ -165,9 +168,14 @@ if [[ -f scripts/bench_engine.py ]]; then
     if has_flag --dry-run; then engine_args+=(--dry-run); else engine_args+=(--device cpu --dtype float32); fi
   else
     engine_args+=(--device cuda --dtype bfloat16)
-    # The Llama-3.1-8B-shaped model; the transformers baseline would take minutes on the
-    # default 200 requests, so both sides run one 64-request batch at half lengths.
-    if has_flag "--model "; then engine_args+=(--model "$MODEL_DIR"); fi
+    # The Llama-3.1-8B shape with random weights made on the GPU by both sides; the
+    # transformers baseline would take minutes on the default 200 requests, so both sides
+    # run one 64-request batch at half lengths.
+    if [[ -n "$MODEL_DIR" ]]; then
+      engine_args+=(--model "$MODEL_DIR")
+    elif has_flag "--dummy"; then
+      engine_args+=(--preset llama-3.1-8b --dummy)
+    fi
     if has_flag "--num-requests "; then engine_args+=(--num-requests 64); fi
     if has_flag "--max-num-seqs "; then engine_args+=(--max-num-seqs 64); fi
     if has_flag "--quick"; then engine_args+=(--quick); fi
@@ -183,7 +191,9 @@ else
   echo "engine missing 0 0" >>"$STATUS"
 fi
 
-run_stage fixed_len "$T_FIXED" "$PYTHON" scripts/bench_fixed_len.py --model "$MODEL_DIR" \
+FIXED_MODEL=()
+if [[ -n "$MODEL_DIR" ]]; then FIXED_MODEL=(--model "$MODEL_DIR"); fi
+run_stage fixed_len "$T_FIXED" "$PYTHON" scripts/bench_fixed_len.py ${FIXED_MODEL[@]+"${FIXED_MODEL[@]}"} \
   --seconds "$FIXED_SECONDS" --out "$OUT/fixed_len.json" ${DRY_FLAG[@]+"${DRY_FLAG[@]}"}
 
 # -- report ----------------------------------------------------------------------------
@@ -223,7 +233,7 @@ try:
     report["pytest"] = {**counts, "failed": failed, "not_importable": collect}
 except (OSError, ET.ParseError) as exc:
     report["pytest"] = {"error": repr(exc)}
-for name in ("kernels", "engine", "fixed_len"):
+for name in ("kernels", "step_time", "engine", "fixed_len"):
     report[name] = load(out / f"{name}.json")
 (out / "report.json").write_text(json.dumps(report, indent=1))
 
@@ -276,9 +286,15 @@ if k:
          f"agrees on {k.get('prefill_rule_agrees')}/{len(k['prefill'])}"),
     ]
     md += ["", "| issue 10 target | verdict | figure |", "| --- | --- | --- |"] + [f"| {a} | {b} | {c} |" for a, b, c in t]
+st = report["step_time"]
+if st:
+    md += ["", f"Decode step time ({st['model']}, {st['dtype']}, {st['device']}, backend {st['attention_backend']}, CUDA graphs {st['cuda_graphs']}; bound = weights + KV read once at the measured copy bandwidth {st['copy_gbps'] or float('nan'):.0f} GB/s; startup {st['startup_s']:.1f}s)", "",
+           "| batch | context | graphs ms | eager ms | bound ms | x bound | output tok/s |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    fmt = lambda v: "-" if v is None else f"{v:.2f}"
+    md += [f"| {r['batch']} | {r['context']} | {fmt(r['graphs_ms'])} | {fmt(r['eager_ms'])} | {fmt(r['bound_ms'])} | {fmt(r['x_bound'])} | {r['output_tok_s']:.0f} |" for r in st["rows"]]
 e = report["engine"]
 if e:
-    note = "" if dry else " on the Llama-3.1-8B-shaped random model, subsampled to one batch of 64 requests at half lengths (--quick) so the transformers baseline fits the time limit"
+    note = "" if dry else " on the Llama-3.1-8B shape with random weights made on the GPU, subsampled to one batch of 64 requests at half lengths (--quick) so the transformers baseline fits the time limit"
     md += ["", f"End-to-end (scripts/bench_engine.py{note}):", "", "```", json.dumps(e, indent=1)[:3000], "```"]
 f = report["fixed_len"]
 if f:
