@@ -6,11 +6,15 @@
 #
 # Nothing secret is baked in: AWS credentials come from the task/pod role (IRSA,
 # Batch job role), Kafka credentials from the environment at run time.
-# CUDA 12.8 matches the cu128 torch wheel and cupy-cuda12x (qworker[gpu]); Ubuntu
-# 24.04 ships Python 3.12 (qworker needs >= 3.11). Both stages use the same
+# torch 2.13.0 is the line the test suite runs on (Makefile); the cu128 build matches
+# this CUDA 12.8 base and cupy-cuda12x (qworker[gpu]). Not built here (no access to
+# the PyTorch index from the dev machines): if that index lacks 2.13.0+cu128, build
+# with --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu130 on a CUDA 13
+# base and cupy-cuda13x (the GPU check machine runs torch 2.11+cu130).
+# Ubuntu 24.04 ships Python 3.12 (qworker needs >= 3.11). Both stages use the same
 # base so the venv's interpreter path matches.
 FROM nvidia/cuda:12.8.1-runtime-ubuntu24.04 AS build
-ARG TORCH_VERSION=2.9.1
+ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 # Ubuntu's python3 versions move with security updates; pinning them would break
@@ -21,8 +25,8 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/qworker
 ENV PATH=/opt/qworker/bin:$PATH
-# The CUDA torch wheel first, from its own index, so qworker's `torch>=2.4`
-# requirement is already met and pip does not pull the CPU build.
+# The CUDA torch wheel first, from its own index, so qworker's `torch>=2.4,<3`
+# requirement is already met and pip does not pull another build.
 RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 WORKDIR /src
 COPY pyproject.toml README.md ./

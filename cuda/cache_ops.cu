@@ -1,8 +1,10 @@
 // KV cache maintenance: write a step's new K/V into their slots, and copy whole blocks.
 //
 // Kernels
-//   reshape_and_cache<UNIT>  grid x = token, block 128 threads; UNIT = bytes per access (2, 4, 16)
-//   copy_blocks              grid (pair, layer, 0 = keys / 1 = values), block 128 threads
+//   reshape_and_cache<UNIT>     grid x = token, block 128 threads; UNIT = bytes per access (2, 4, 16)
+//   reshape_and_cache_fp8<DT>   grid x = token, block 128 threads; DT = input dtype (0 = float32,
+//                               1 = float16, 2 = bfloat16), cache FP8 E4M3
+//   copy_blocks                 grid (pair, layer, 0 = keys / 1 = values), block 128 threads
 //
 // KV layout (qworker/attention/backend.py): one layer's cache is
 //   [num_blocks, num_kv_heads, block_size, head_dim], head_dim contiguous; the whole pool is
@@ -16,6 +18,11 @@
 //   at block * block_stride + head * head_stride + row * row_bytes. The cache has the input's
 //   dtype: the kernel moves bytes. UNIT = 16 when every address is 16-byte aligned (the host
 //   checks), else the element size.
+// reshape_and_cache_fp8: the same slots, but each element is quantized: byte =
+//   e4m3(x / scale) with round to nearest even, saturating at +-448, scale = kv_scales[0]
+//   for keys and kv_scales[1] for values (the layer's scales on the device, see
+//   qworker/attention/fp8.py; read at run time, so CUDA graphs stay valid). Input rows are
+//   element strides key_stride / value_stride apart, heads head_dim apart.
 // copy_blocks: the CTA of (pair i, layer l, k/v) copies block src[i] to dst[i] of that layer,
 //   16 bytes per thread per step (a block is num_kv_heads * block_size * head_dim elements, a
 //   multiple of 16 bytes when head_dim is a multiple of 8). src and dst must be disjoint sets:
@@ -27,6 +34,8 @@
 //
 // Reference: qworker.attention.torch_ref.TorchAttentionBackend.write_kv / copy_blocks
 // (tests/attention/test_cuda_backend.py compares byte for byte).
+
+#include "warp_mma.cuh"
 
 namespace qw {
 
@@ -62,6 +71,38 @@ __global__ void __launch_bounds__(128) reshape_and_cache(
         *reinterpret_cast<const T*>(key + t * key_stride_bytes + in_off);
     *reinterpret_cast<T*>(value_cache + dst) =
         *reinterpret_cast<const T*>(value + t * value_stride_bytes + in_off);
+  }
+}
+
+template <int DT>
+__global__ void __launch_bounds__(128) reshape_and_cache_fp8(
+    const void* __restrict__ key, const void* __restrict__ value, unsigned char* __restrict__ key_cache,
+    unsigned char* __restrict__ value_cache, const long long* __restrict__ slot_mapping,
+    const float* __restrict__ kv_scales, const long long key_stride, const long long value_stride,
+    const int num_heads, const int head_dim, const int block_size, const long long block_stride,
+    const long long head_stride) {
+  const long long t = blockIdx.x;
+  const long long slot = slot_mapping[t];
+  if (slot < 0) return;
+  const long long blk = slot / block_size;
+  const long long row = slot - blk * block_size;
+  const float ks = kv_scales[0];
+  const float vs = kv_scales[1];
+  const int n = num_heads * head_dim;
+  for (int idx = threadIdx.x; idx < n; idx += blockDim.x) {
+    const int h = idx / head_dim;
+    const int d = idx - h * head_dim;
+    float k, v;
+    if constexpr (DT == 0) {
+      k = static_cast<const float*>(key)[t * key_stride + idx];
+      v = static_cast<const float*>(value)[t * value_stride + idx];
+    } else {
+      k = qw::b16_to_float<DT>(static_cast<const unsigned short*>(key)[t * key_stride + idx]);
+      v = qw::b16_to_float<DT>(static_cast<const unsigned short*>(value)[t * value_stride + idx]);
+    }
+    const long long dst = blk * block_stride + h * head_stride + row * head_dim + d;
+    key_cache[dst] = qw::float_to_e4m3(k / ks);
+    value_cache[dst] = qw::float_to_e4m3(v / vs);
   }
 }
 

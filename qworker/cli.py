@@ -11,6 +11,7 @@ import asyncio
 import importlib
 import importlib.util
 import logging
+import os
 import sys
 import threading
 import types
@@ -30,6 +31,7 @@ from qworker.batch.commands import (
     status_command,
 )
 from qworker.config import ENGINE_FIELDS, WorkerSettings
+from qworker.worker.exit_codes import ExitCode
 
 T = TypeVar("T")
 
@@ -51,31 +53,41 @@ def _flag_type(annotation: Any) -> tuple[Any, list[Any] | None, bool]:
 
 
 def add_settings_flags(parser: argparse.ArgumentParser, names: Sequence[str] | None = None) -> None:
-    """Add ``--name-with-dashes`` for each settings field (all when ``names`` is None)."""
-    for name, info in WorkerSettings.model_fields.items():
-        if names is not None and name not in names:
-            continue
-        flag = "--" + name.replace("_", "-")
-        kind, choices, is_bool = _flag_type(info.annotation)
-        help_text = f"{info.description} (env QWORKER_{name.upper()}, default {info.default!r})"
-        help_text = help_text.replace("%", "%%")
-        if is_bool:
-            parser.add_argument(
-                flag,
-                dest=name,
-                action=argparse.BooleanOptionalAction,
-                default=argparse.SUPPRESS,
-                help=help_text,
-            )
-        else:
-            parser.add_argument(
-                flag,
-                dest=name,
-                type=kind,
-                choices=choices,
-                default=argparse.SUPPRESS,
-                help=help_text,
-            )
+    """Add ``--name-with-dashes`` for each settings field (all when ``names`` is None).
+
+    Flags are grouped (source and sink, kafka security, engine, worker, observability)
+    and their help gives the unit, the environment variable and the default.
+    """
+    from qworker.settings_doc import GROUPS, group_of, unit_of
+
+    groups: dict[str, Any] = {}
+    wanted = [n for n in WorkerSettings.model_fields if names is None or n in names]
+    for title in GROUPS:
+        for name in wanted:
+            if group_of(name) != title:
+                continue
+            if title not in groups:
+                groups[title] = parser.add_argument_group(f"{title} settings")
+            _add_flag(groups[title], name, unit_of(name))
+
+
+def _add_flag(group: Any, name: str, unit: str) -> None:
+    info = WorkerSettings.model_fields[name]
+    flag = "--" + name.replace("_", "-")
+    kind, choices, is_bool = _flag_type(info.annotation)
+    description = info.description or ""
+    if unit:
+        description = description.removesuffix(f" [{unit}]") + f" [{unit}]"
+    default = "unset" if info.default is None else repr(info.default)
+    help_text = f"{description} (env QWORKER_{name.upper()}, default {default})"
+    help_text = help_text.replace("%", "%%")
+    if is_bool:
+        group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
+                           default=argparse.SUPPRESS, help=help_text)
+    else:
+        group.add_argument(flag, dest=name, type=kind, choices=choices,
+                           default=argparse.SUPPRESS, help=help_text,
+                           metavar=None if choices else unit.upper() or None)
 
 
 def load_settings(args: argparse.Namespace) -> WorkerSettings:
@@ -89,6 +101,9 @@ def _settings_error(exc: ValidationError) -> str:
     for err in exc.errors():
         name = ".".join(str(p) for p in err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
+        if not name:  # a rule across settings (Kafka security): its message names them
+            lines.append(f"  {msg}")
+            continue
         lines.append(f"  {name} (--{name.replace('_', '-')} / QWORKER_{name.upper()}): {msg}")
     return "\n".join(lines)
 
@@ -130,6 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_batch_parsers(sub, add_settings_flags)
 
+    docs = sub.add_parser("docs", help="write the generated settings reference",
+                          description="Print (or write with -o) docs/configuration.md, "
+                          "generated from the settings model.")
+    docs.add_argument("what", choices=["configuration"], help="which document")
+    docs.add_argument("-o", "--output", help="file to write (default: stdout)")
+
     sub.add_parser("cost", help="cost estimates (see `qworker cost --help`)", add_help=False)
     return parser
 
@@ -139,20 +160,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "cost":
         return _cost(argv[1:])
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # a usage error is a configuration error: exit 1, not 2
+        raise SystemExit(1 if exc.code == 2 else exc.code) from None
     try:
         settings = load_settings(args)
     except ValidationError as exc:
         print(_settings_error(exc), file=sys.stderr)
         return 1
     handler = {"run": _run, "generate": _generate, "produce": produce_command,
-               "status": status_command, "collect": collect_command}
+               "status": status_command, "collect": collect_command, "docs": _docs}
     try:
         return handler[args.command](args, settings)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         # Usage or configuration error: one line, exit 1 (docs/formats.md, "Exit codes").
         print(f"qworker {args.command}: {exc}", file=sys.stderr)
         return 1
+    except Exception as exc:
+        if not _is_aws_error(exc):
+            raise
+        # A missing bucket, denied access, no credentials, an unreachable endpoint.
+        print(f"qworker {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _is_aws_error(exc: BaseException) -> bool:
+    """True for botocore's errors (S3/SQS refused or unreachable), which are not bugs."""
+    try:
+        from botocore.exceptions import BotoCoreError, ClientError
+    except ImportError:
+        return False
+    return isinstance(exc, BotoCoreError | ClientError)
 
 
 def _run(args: argparse.Namespace, settings: WorkerSettings) -> int:
@@ -161,12 +200,20 @@ def _run(args: argparse.Namespace, settings: WorkerSettings) -> int:
 
     configure_logging(settings.log_level, settings.log_format)
     code, summary = asyncio.run(serve(settings))
+    if code == ExitCode.CONFIG:
+        return code  # the one line saying why was logged; no summary of nothing
     if settings.log_format == "json":
         logging.getLogger("qworker.cli").info("qworker run summary", extra=summary.as_dict())
     else:
         print(
             f"qworker run summary (results in {settings.sink})\n{summary.text()}", file=sys.stderr
         )
+    if code == ExitCode.ENGINE:
+        # A hung engine step may never return: do not wait for its thread at exit.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(code)
     return code
 
 
@@ -197,6 +244,18 @@ def _generate(args: argparse.Namespace, settings: WorkerSettings) -> int:
         f"({stats.ok} ok, {stats.errors} errors) in {stats.elapsed:.1f}s",
         file=sys.stderr,
     )
+    return 0
+
+
+def _docs(args: argparse.Namespace, settings: WorkerSettings) -> int:
+    from qworker.settings_doc import render_configuration
+
+    text = render_configuration()
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
     return 0
 
 

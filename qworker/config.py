@@ -78,12 +78,30 @@ class WorkerSettings(EngineSettings):  # type: ignore[misc, valid-type]
     sink: str = Field("file://./results", description="result sink URI")
     model: str = Field(SMOLLM2_ALIAS, description="model dir, 'smollm2', or echo://")
     until_idle: float | None = Field(
-        None, description="exit 0 once no job arrived for this many seconds and none is in flight"
+        None,
+        description="exit 0 once, for this many seconds, nothing is in flight here and the "
+        "source reports no pending work (docs/operations.md)",
     )
     metrics_port: int = Field(9400, description="Prometheus /metrics port (0 = any free port)")
+    metrics_max_batches: int = Field(
+        64, description="batches with their own qworker_batch_jobs_completed_total series "
+        "(the most recent; bounds the series count)"
+    )
     drain_seconds: float = Field(90.0, description="time given to in-flight jobs at shutdown")
     sink_outage_seconds: float = Field(
         300.0, description="how long the sink may keep failing before the worker gives up"
+    )
+    # Failure budgets of the worker (docs/operations.md, "Exit codes").
+    source_outage_seconds: float = Field(
+        300.0,
+        description="how long the source or the dead-letter target may keep failing before "
+        "the worker gives up (exit 69)",
+    )
+    engine_step_timeout: float = Field(
+        300.0, description="an engine step running longer than this stops the worker (exit 70)"
+    )
+    max_job_attempts: int = Field(
+        3, description="engine failures of one job, run alone, before it gets engine_error"
     )
     s3_endpoint_url: str | None = Field(None, description="S3 endpoint (local server in tests)")
     sqs_endpoint_url: str | None = Field(None, description="SQS endpoint (local server in tests)")
@@ -168,6 +186,8 @@ class WorkerSettings(EngineSettings):  # type: ignore[misc, valid-type]
         "kafka_commit_interval_seconds",
         "until_idle",
         "sink_outage_seconds",
+        "source_outage_seconds",
+        "engine_step_timeout",
     )
     @classmethod
     def _check_non_negative(cls, value: float | None) -> float | None:
@@ -177,7 +197,9 @@ class WorkerSettings(EngineSettings):  # type: ignore[misc, valid-type]
 
     @field_validator(
         "max_job_bytes",
+        "metrics_max_batches",
         "max_inflight_jobs",
+        "max_job_attempts",
         "sqs_visibility_timeout",
         "kafka_session_timeout_ms",
     )

@@ -1,4 +1,4 @@
-"""The error hierarchy: one class per result error code of DESIGN.md.
+"""The error hierarchy: one class per result error code (docs/formats.md, "Error lines").
 
 Validation errors subclass ``ValueError`` and name the offending field, so
 ``LLM.generate`` callers can catch plain ``ValueError`` while the worker maps
@@ -22,7 +22,7 @@ class InvalidRequestError(QworkerError, ValueError):
 
 
 class ContextLengthExceededError(InvalidRequestError):
-    """The prompt (plus what must be generated) does not fit ``max_model_len``."""
+    """The prompt leaves no room in ``max_model_len`` for a generated token."""
 
     code = "context_length_exceeded"
 

@@ -20,9 +20,10 @@ Workloads (``--workload``):
   (``scripts/bench_structured.py``; needs llguidance and a tokenizer).
 * ``all``: sharegpt, shared-prefix and parallel in turn.
 
-The model defaults to a random Llama built here (``--preset``: ``tiny`` ~16M parameters
-for CPU, ``small`` ~110M for GPU). Prints a table and one JSON line per workload
-(``--out`` also writes them to a file). Never asserts on speed.
+The model defaults to a random Llama built here (``--preset``: ``mini`` 4 layers of
+hidden 256 (~6M parameters), ``tiny`` ~16M parameters for CPU, ``small`` ~110M for
+GPU). Prints a table and one JSON line per workload (``--out`` also writes them to a
+file). Never asserts on speed.
 """
 
 from __future__ import annotations
@@ -48,19 +49,29 @@ from qworker.engine.engine import Engine
 from qworker.engine.sampling_params import SamplingParams
 
 PRESETS: dict[str, dict[str, Any]] = {
+    "mini": {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 8192},
     "tiny": {"hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 6,
              "num_attention_heads": 6, "num_key_value_heads": 2, "vocab_size": 8192},
     "small": {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12,
               "num_attention_heads": 12, "num_key_value_heads": 4, "vocab_size": 32000},
+    "llama-3.1-8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                     "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+                     "rope_theta": 500000.0, "rms_norm_eps": 1e-5},
 }
 
 
-def build_model(preset: str, folder: Path) -> Path:
-    """Write a seeded random Llama of ``preset`` size as safetensors into ``folder``."""
+def build_model(preset: str, folder: Path, dummy: bool = False) -> Path:
+    """Write a seeded random Llama of ``preset`` size as safetensors into ``folder``
+    (``dummy``: only its config.json; both sides then make random weights on the device)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(**PRESETS[preset], max_position_embeddings=2048, bos_token_id=1,
                          eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    config.architectures = ["LlamaForCausalLM"]
+    if dummy:
+        config.save_pretrained(folder)
+        return folder
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(folder)
     return folder
@@ -119,7 +130,8 @@ def run_qworker(model: str, reqs: list[Req], args: argparse.Namespace,
     """Push ``reqs`` through a fresh engine; sample pool figures at every step."""
     cfg = dict(model=model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks)
+               max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
+               load_format="dummy" if args.dummy else "auto")
     cfg.update(overrides)
     engine = Engine(EngineConfig(**cfg))
     warm = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
@@ -160,9 +172,9 @@ def run_qworker(model: str, reqs: list[Req], args: argparse.Namespace,
         kv_usage_avg=used_time / elapsed if elapsed else 0.0,
         kv_waste=1 - waste_used / waste_alloc if waste_alloc else 0.0,
         kv_blocks_avg=blocks_time / elapsed if elapsed else 0.0, kv_blocks_peak=peak,
-        num_preemptions=stats["num_preemptions"], prefix_cache_hits=stats["prefix_cache_hits"],
-        num_kv_blocks=stats["num_kv_blocks"],
-        extra={"attention_backend": stats["attention_backend"]},
+        num_preemptions=stats.num_preemptions, prefix_cache_hits=stats.prefix_cache_hits,
+        num_kv_blocks=stats.num_kv_blocks,
+        extra={"attention_backend": stats.attention_backend, "cuda_graphs": stats.cuda_graphs},
     )
 
 
@@ -188,7 +200,14 @@ def run_hf_static(model: str, reqs: list[Req], args: argparse.Namespace) -> RunR
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
              "float16": torch.float16}[args.dtype]
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(args.device).eval()
+    if args.dummy:  # random weights made on the device, like the engine's
+        from transformers import AutoConfig
+
+        with torch.device(args.device):
+            hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model),
+                                                  dtype=dtype).eval()
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(args.device).eval()
     hf.generation_config.eos_token_id = None
     device = torch.device(args.device)
 
@@ -311,6 +330,7 @@ def common(args: argparse.Namespace, r: RunResult) -> dict[str, Any]:
     return {"model": args.model_label, "device": args.device, "dtype": args.dtype,
             "block_size": args.block_size, "max_num_seqs": args.max_num_seqs,
             "attention_backend": r.extra.get("attention_backend"),
+            "cuda_graphs": r.extra.get("cuda_graphs"),
             "torch_threads": torch.get_num_threads(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
@@ -337,6 +357,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="qworker pool size in blocks (default: engine sizing)")
     p.add_argument("--max-model-len", type=int, default=2048, help="default 2048")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--dummy", action="store_true",
+                   help="write only the preset's config.json; qworker and transformers both "
+                        "make random weights on the device (big shapes, no disk)")
     p.add_argument("--quick", action="store_true",
                    help="shorter prompts/outputs (half the lengths) for a fast look")
     p.add_argument("--dry-run", action="store_true",
@@ -372,7 +395,9 @@ def main(argv: list[str] | None = None) -> int:
 
             workload_structured(args, PRESETS, emit, Path(tmp))
             return 0
-        model = args.model or str(build_model(args.preset, Path(tmp) / "model"))
+        if args.model:
+            args.dummy = False
+        model = args.model or str(build_model(args.preset, Path(tmp) / "model", args.dummy))
         args.model_label = args.model or f"random-llama-{args.preset}"
         from transformers import AutoConfig
 

@@ -1,14 +1,15 @@
 """Fixed-length throughput: Llama-3.1-8B shape, bf16, random weights, 1000 in / 1000 out.
 
 Comparable with published figures for the same workload (TensorRT-LLM: 17.7k output tok/s on
-one H200 in FP8; vLLM: about 6k on an H100 in bf16 at 256/256). The model directory is
-written once with random weights (generated on the GPU, saved as safetensors shards; no
-tokenizer: prompts are token ids) unless ``--model`` already holds one. Requests are queued
+one H200 in FP8; vLLM: about 6k on an H100 in bf16 at 256/256). By default only a config.json
+is written and the engine makes random weights on the device (``load_format="dummy"``: no
+weight file is written or read; no tokenizer: prompts are token ids); ``--model`` uses a
+directory that holds weights instead. Requests are queued
 (more than fit at once, so the batch stays full) and the engine steps until ``--seconds``
 have passed or all finish. Reported: output tokens/s (every generated token over the
 elapsed time), requests/s (finished requests over the elapsed time), and the counts.
 
-``--make-model DIR`` only writes the model (gpu_check.sh shares it with bench_engine.py);
+``--make-model DIR`` only writes a model with real (random) weight files;
 ``--dry-run`` uses a tiny model on the CPU to prove the plumbing. Never asserts on speed.
 """
 
@@ -112,12 +113,23 @@ def make_model(folder: Path, shape: dict[str, Any], dtype: torch.dtype, seed: in
     return folder
 
 
+def write_config(folder: Path, shape: dict[str, Any], dtype: torch.dtype) -> Path:
+    """Only the config.json of the shape: the engine makes the weights on the device."""
+    from transformers import LlamaConfig
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config = LlamaConfig(**shape, tie_word_embeddings=False, torch_dtype=str(dtype).split(".")[1])
+    config.architectures = ["LlamaForCausalLM"]
+    config.save_pretrained(str(folder))
+    return folder
+
+
 def run(
     engine: Engine, prompts: list[list[int]], output_len: int, seconds: float
 ) -> dict[str, Any]:
     """Queue every prompt, step until done or ``seconds`` passed; count what came out."""
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    before = engine.stats()["generation_tokens"]
+    before = engine.stats().generation_tokens
     start = time.perf_counter()
     for n, prompt in enumerate(prompts):
         engine.add_request(f"r{n}", prompt, params)
@@ -128,7 +140,7 @@ def run(
         if time.perf_counter() - start > seconds:
             break
     elapsed = time.perf_counter() - start
-    generated = engine.stats()["generation_tokens"] - before
+    generated = engine.stats().generation_tokens - before
     return {
         "requests_queued": len(prompts),
         "requests_finished": finished,
@@ -164,10 +176,13 @@ def main() -> None:
     if args.dry_run:
         args.input_len, args.output_len = min(args.input_len, 16), min(args.output_len, 16)
         args.max_num_seqs, args.seconds = min(args.max_num_seqs, 4), min(args.seconds, 20.0)
-    folder = args.model or Path(tempfile.mkdtemp(prefix="qworker_llama8b_"))
     t0 = time.perf_counter()
-    if not (folder / "config.json").exists():
-        make_model(folder, shape, dtype)
+    load_format = "auto"
+    folder = args.model
+    if folder is None or not (folder / "config.json").exists():
+        folder = write_config(folder or Path(tempfile.mkdtemp(prefix="qworker_llama8b_")),
+                              shape, dtype)
+        load_format = "dummy"
     made = time.perf_counter() - t0
     device = "cpu" if args.dry_run else "cuda"
     config = EngineConfig(
@@ -178,6 +193,7 @@ def main() -> None:
         max_model_len=args.input_len + args.output_len + 16,
         enable_prefix_caching=False,
         kv_cache_memory=(256 << 20) if args.dry_run else None,
+        load_format=load_format,
     )
     t0 = time.perf_counter()
     engine = Engine(config)
@@ -196,11 +212,13 @@ def main() -> None:
         "model": "Llama-3.1-8B shape, random weights" if not args.dry_run else "tiny llama",
         "dtype": config.dtype,
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "attention_backend": stats.get("attention_backend"),
+        "attention_backend": stats.attention_backend,
+        "cuda_graphs": stats.cuda_graphs,
         "max_num_seqs": args.max_num_seqs,
-        "num_kv_blocks": stats.get("num_kv_blocks"),
-        "num_preemptions": stats.get("num_preemptions"),
+        "num_kv_blocks": stats.num_kv_blocks,
+        "num_preemptions": stats.num_preemptions,
         "model_write_s": made,
+        "load_format": load_format,
         "engine_load_s": loaded,
         **result,
     }

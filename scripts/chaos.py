@@ -10,8 +10,9 @@ restarts the broker. Then it checks the sink: every job exactly one valid result
     .venv/bin/python scripts/chaos.py --jobs 2000 --workers 3 --kafka
     .venv/bin/python scripts/chaos.py --jobs 2000 --workers 3 --sqs --json
 
-Prints a table and one JSON line; exits 1 when anything is missing, duplicated or
-invalid (or a drain did not exit 0), 0 otherwise.
+Prints a table and one JSON line; exits 1 when anything is missing, duplicated,
+invalid or silently replaced, or a worker's exit code is not what the contract says
+(docs/operations.md), 0 otherwise.
 """
 
 from __future__ import annotations
@@ -54,6 +55,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="windows in which every S3 request fails")
     p.add_argument("--s3-outage-seconds", type=float, default=d.s3_outage_seconds)
     p.add_argument("--poison", type=int, default=d.poison)
+    p.add_argument("--engine-fail-rate", type=float, default=d.engine_fail_rate,
+                   help="share of echo engine steps that fail (transient)")
+    p.add_argument("--engine-poison", type=int, default=d.engine_poison,
+                   help="jobs that break every engine step they are in (engine_error)")
+    p.add_argument("--hangs", type=int, default=d.hangs,
+                   help="workers restarted with an engine whose step hangs (exit 70)")
+    p.add_argument("--engine-step-timeout", type=float, default=d.engine_step_timeout)
+    p.add_argument("--idle-restarts", type=int, default=d.idle_restarts,
+                   help="SIGKILL a worker and restart it at once with --until-idle 1")
+    p.add_argument("--source-outages", type=int, default=d.source_outages,
+                   help="SQS endpoint failing / Kafka broker down for --source-outage-seconds")
+    p.add_argument("--source-outage-seconds", type=float, default=d.source_outage_seconds)
+    p.add_argument("--dlq-missing-seconds", type=float, default=d.dlq_missing_seconds,
+                   help="SQS: the workers' dead-letter queue is created this long after start")
+    p.add_argument("--conflicts", type=int, default=d.conflicts,
+                   help="second, different requests reusing a valid job's custom_id")
+    p.add_argument("--read-only-home", action="store_true",
+                   help="workers run with HOME and their caches on a read-only directory")
     p.add_argument("--delay-ms", type=int, default=d.delay_ms, help="echo engine step delay")
     p.add_argument("--model", default=None, help="instead of echo:// (e.g. a tiny model dir)")
     p.add_argument("--max-inflight-jobs", type=int, default=d.max_inflight_jobs)
@@ -80,7 +99,11 @@ def main(argv: list[str] | None = None) -> int:
         s3_outage_seconds=a.s3_outage_seconds, poison=a.poison, delay_ms=a.delay_ms, model=a.model,
         max_inflight_jobs=a.max_inflight_jobs, sqs_visibility=a.sqs_visibility,
         sqs_max_receives=a.sqs_max_receives, sqs_produce_chunk=a.sqs_produce_chunk,
-        work_dir=a.work_dir,
+        engine_fail_rate=a.engine_fail_rate, engine_poison=a.engine_poison, hangs=a.hangs,
+        engine_step_timeout=a.engine_step_timeout, idle_restarts=a.idle_restarts,
+        source_outages=a.source_outages, source_outage_seconds=a.source_outage_seconds,
+        dlq_missing_seconds=a.dlq_missing_seconds, conflicts=a.conflicts,
+        read_only_home=a.read_only_home, work_dir=a.work_dir,
     )
     report = run_campaign(cfg)
     if not a.json:

@@ -31,7 +31,12 @@ def _reduced(queue: str, tmp_path: Path, moto_url: str, **kw: object) -> Campaig
         queue=queue, jobs=150, workers=2, duration=120, seed=7, kills=1, drains=1,
         broker_restarts=0, s3_error_rate=0.03, reset_rate=0.01, lost_ack_rate=0.02, poison=3,
         delay_ms=10, until_idle=2.5, drain_seconds=5, partitions=4, sqs_visibility=4,
-        sqs_max_receives=8, work_dir=tmp_path, moto_url=moto_url, **kw,
+        sqs_max_receives=8, work_dir=tmp_path, moto_url=moto_url,
+        # The faults of docs/reliability.md's second table, small: engine steps failing at
+        # random and one job that breaks every step, a SIGKILLed worker replaced at once by
+        # an --until-idle 1 one, two second requests under used custom_ids, a read-only HOME.
+        engine_fail_rate=0.01, engine_poison=1, idle_restarts=1, conflicts=2,
+        read_only_home=True, engine_step_timeout=2.0, **kw,
     )
 
 
@@ -46,23 +51,32 @@ def _assert_books_balance(report: Report) -> None:
     assert report.poison_in_dlq == report.poison_produced
     assert report.valid_jobs_in_dlq == 0
     assert report.drain_bad_exits == 0
-    assert report.kills == 1 and report.drains == 1
+    assert report.kills == 1 and report.drains == 1 and report.idle_restarts == 1
     assert report.final_lag == 0
     assert report.collect_mismatches == 0
+    assert report.silently_replaced == 0 and report.bad_conflicts == 0
+    assert report.conflict_records == report.conflicts_produced == 2
+    assert report.worker_crashes == 0  # every exit code as docs/operations.md says
+    assert report.idle_exits_with_work_left == 0
 
 
 def test_kafka_campaign_loses_and_duplicates_nothing(
     tmp_path: Path, moto_server: str, kafka_broker: str
 ) -> None:
-    """Kafka: kill + drain + flaky S3 end with exactly one valid result per job."""
-    report = run_campaign(_reduced("kafka", tmp_path, moto_server, kafka_bootstrap=kafka_broker))
+    """Kafka: kill + drain + flaky S3 + a hung engine end with one valid result per job."""
+    report = run_campaign(_reduced("kafka", tmp_path, moto_server, kafka_bootstrap=kafka_broker,
+                                   hangs=1))
     _assert_books_balance(report)
+    assert report.hangs == 1
 
 
 def test_sqs_campaign_loses_and_duplicates_nothing(tmp_path: Path, moto_server: str) -> None:
-    """SQS: kill (visibility expiry redelivers) + drain + flaky S3; poison lands in the DLQ."""
-    report = run_campaign(_reduced("sqs", tmp_path, moto_server))
+    """SQS: kill (visibility expiry redelivers) + drain + flaky S3 + an SQS outage; poison
+    lands in the workers' DLQ, which appears only 5 s into the run."""
+    report = run_campaign(_reduced("sqs", tmp_path, moto_server, source_outages=1,
+                                   source_outage_seconds=3, dlq_missing_seconds=5))
     _assert_books_balance(report)
+    assert report.source_outages == 1
 
 
 def test_run_help_prints_for_the_campaign_flags(capsys: pytest.CaptureFixture[str]) -> None:

@@ -166,12 +166,19 @@ def test_produce_then_run_then_collect_over_files(tmp_path: Path) -> None:
 
 
 def test_bad_settings_exit_1_with_a_clear_message(capsys) -> None:
-    assert main(["run", "--source", "ftp://x/y"]) == 1
+    assert main(["run", "--source", "ftp://x/y"]) == 1  # configuration: do not retry
     err = capsys.readouterr().err
     assert "source (--source / QWORKER_SOURCE): source 'ftp://x/y' must be kafka://" in err
 
 
-def test_missing_source_file_exits_1(tmp_path: Path, capsys) -> None:
+def test_a_rule_across_settings_names_them_not_an_empty_flag(capsys) -> None:
+    assert main(["run", "--kafka-security-protocol", "SASL_SSL"]) == 1
+    err = capsys.readouterr().err
+    assert "  kafka_security_protocol=SASL_SSL needs kafka_sasl_mechanism" in err
+    assert "(-- / QWORKER_)" not in err
+
+
+def test_missing_source_file_exits_1_with_one_line(tmp_path: Path, capsys) -> None:
     code = main(
         [
             "run",
@@ -187,8 +194,9 @@ def test_missing_source_file_exits_1(tmp_path: Path, capsys) -> None:
             "",
         ]
     )
-    assert code == 1
-    assert "nope.jsonl does not exist" in capsys.readouterr().err
+    assert code == 1  # a configuration error: do not retry (docs/operations.md)
+    err = capsys.readouterr().err
+    assert "nope.jsonl does not exist" in err and "Traceback" not in err
 
 
 def test_python_dash_m_qworker_shows_help() -> None:
@@ -207,3 +215,12 @@ def test_python_dash_m_qworker_shows_help() -> None:
         timeout=60,
     )
     assert "IN INPUT ORDER" in gen.stdout
+
+
+def test_version_flag_prints_the_package_version(capsys) -> None:
+    import qworker
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"qworker {qworker.__version__}"

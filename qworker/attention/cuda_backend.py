@@ -1,18 +1,21 @@
 """The CUDA attention backend: raw kernels from ``cuda/`` compiled at run time through cupy.
 
-Decodes (the first ``num_decodes`` sequences, one query row each) run
-``paged_attention_decode`` straight over the paged cache, split-K when the batch is too
-small to fill the GPU (see :func:`qworker.attention.cuda_kernels.plan_decode`). Prefill
-chunks run, by default, gather + torch SDPA (:mod:`qworker.attention.sdpa_prefill`);
-``prefill="paged"`` instead sends every prefill token through the decode kernel as its own
-work item (context = its position + 1), which reads the context once per token:
-``scripts/bench_kernels.py`` measures both. Cache writes and copy-on-write copies are
-kernels of ``cuda/cache_ops.cu``; swapping uses torch copies (see :meth:`swap_blocks`).
+Decodes (the first ``num_decodes`` sequences, one query row each): fp16/bf16 queries run the
+tensor-core kernel ``paged_decode_tc`` (split-KV and its merge in one launch, see
+:mod:`qworker.attention.cuda_tc`); fp32 keeps the CUDA-core ``paged_attention_decode`` (+
+its reduce kernel when split, see :func:`qworker.attention.cuda_kernels.plan_decode`), as does
+``decode="legacy"``. Prefill chunks: ``prefill="paged"`` runs the tensor-core
+``paged_prefill_tc`` over the query tiles of all prefilling sequences in one launch (fp32:
+the legacy decode kernel per token), ``"sdpa"`` gathers each sequence's context and calls
+torch SDPA (:mod:`qworker.attention.sdpa_prefill`), and ``"auto"`` picks per step by
+:func:`qworker.attention.cuda_kernels.prefill_choice`. Cache writes (quantizing for an FP8
+cache, :mod:`qworker.attention.fp8`) and copy-on-write copies are kernels of
+``cuda/cache_ops.cu``; swapping uses torch copies (see :meth:`swap_blocks`).
 
-Everything runs on torch's current stream on torch-owned memory, zero-copy. Shapes the
-kernels do not cover (head size, dtype, block size), and tensors not on a CUDA device, go
-to the torch reference with one log line per reason. The module imports without cupy or a
-GPU; cupy loads at the first CUDA call.
+Everything runs on torch's current stream (read at each launch) on torch-owned memory,
+zero-copy. Shapes the kernels do not cover (head size, dtype, block size), and tensors not
+on a CUDA device, go to the torch reference with one log line per reason. The module imports
+without cupy or a GPU; cupy loads at the first CUDA call.
 """
 
 from __future__ import annotations
@@ -26,15 +29,22 @@ from qworker.attention.backend import AttentionBackend, AttentionMetadata, KVCac
 from qworker.attention.cuda_kernels import (
     CACHE_OPS,
     COPY_BLOCKS_NAME,
+    DTYPE_CODE,
     PAGED_ATTENTION,
     THREADS,
-    DecodeLaunch,
     decode_name,
+    layout_reason,
     plan_decode,
+    prefill_choice,
+    prefill_tc_supported,
     reduce_name,
+    reshape_and_cache_fp8_name,
     reshape_and_cache_name,
+    tc_supported,
     unsupported_reason,
 )
+from qworker.attention.cuda_tc import FixedDecodePlan, TcLauncher
+from qworker.attention.fp8 import FP8_DTYPE, is_fp8, resolve_scales
 from qworker.attention.kernel_cache import (
     KERNELS,
     KernelRunner,
@@ -64,10 +74,12 @@ class CudaAttentionBackend(AttentionBackend):
     """Paged attention through the raw CUDA kernels; a drop-in for the torch reference.
 
     ``split_k`` None lets the heuristic choose per call (True/False force it, with
-    ``partition_size`` tokens per partition when given); ``prefill`` is ``"sdpa"`` (gather +
-    SDPA) or ``"paged"`` (decode kernel per prefill token). One instance serves every layer;
-    compiled kernels are shared process-wide. ``last_decode`` records the plan of the latest
-    decode launch (tests and benchmarks read it).
+    ``partition_size`` tokens per partition when given); ``prefill`` is ``"auto"``,
+    ``"sdpa"`` (gather + SDPA) or ``"paged"`` (one batched kernel launch); ``decode`` is
+    ``"auto"`` (tensor cores for fp16/bf16) or ``"legacy"`` (the CUDA-core kernel, fp16/bf16/
+    fp32, not for an FP8 cache). One instance serves every layer; compiled kernels are
+    shared process-wide. ``last_decode`` records the plan of the latest decode launch (tests
+    and benchmarks read it).
 
     ``kernels`` replaces the cupy runner (the CPU emulator of ``tests/attention/emulator``
     runs the same sources on host threads); tensors on any device are then accepted and
@@ -80,18 +92,23 @@ class CudaAttentionBackend(AttentionBackend):
         self,
         split_k: bool | None = None,
         partition_size: int | None = None,
-        prefill: str = "sdpa",
+        prefill: str = "auto",
         kernels: KernelRunner | None = None,
         num_sms: int | None = None,
+        decode: str = "auto",
     ) -> None:
-        if prefill not in ("sdpa", "paged"):
-            raise ValueError(f"prefill must be 'sdpa' or 'paged', not {prefill!r}")
+        if prefill not in ("auto", "sdpa", "paged"):
+            raise ValueError(f"prefill must be 'auto', 'sdpa' or 'paged', not {prefill!r}")
+        if decode not in ("auto", "legacy"):
+            raise ValueError(f"decode must be 'auto' or 'legacy', not {decode!r}")
         if partition_size is not None and partition_size <= 0:
             raise ValueError(f"partition_size must be positive, not {partition_size}")
         self.split_k = split_k
         self.partition_size = partition_size
         self.prefill = prefill
-        self.last_decode: DecodeLaunch | None = None
+        self.decode_kernel = decode
+        self.last_decode: object | None = None
+        self.last_prefill: str | None = None
         self._ref = TorchAttentionBackend()
         self._logged: set[str] = set()
         self._num_sms: dict[int, int] = {}
@@ -100,6 +117,7 @@ class CudaAttentionBackend(AttentionBackend):
         self._kernels: KernelRunner = kernels if kernels is not None else KERNELS
         self._emulated = kernels is not None
         self._fixed_sms = num_sms
+        self._tc = TcLauncher(self._kernels, self._emulated)
 
     @staticmethod
     def available() -> bool:
@@ -136,9 +154,38 @@ class CudaAttentionBackend(AttentionBackend):
         """``query_start_loc`` and ``seq_lens`` on the host, fetched once per step's meta."""
         cached = self._host_meta
         if cached is None or cached[0] is not meta:
-            cached = (meta, meta.query_start_loc.tolist(), meta.seq_lens.tolist())
+            starts = meta.host_query_start_loc
+            lens = meta.host_seq_lens
+            starts = meta.query_start_loc.tolist() if starts is None else list(starts)
+            lens = meta.seq_lens.tolist() if lens is None else list(lens)
+            cached = (meta, starts, lens)
             self._host_meta = cached
         return cached[1], cached[2]
+
+    def plan_decode(
+        self,
+        max_seqs: int,
+        max_seq_len: int,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        kv_cache_dtype: torch.dtype | None = None,
+        sliding_window: int | None = None,
+        device: torch.device | str = "cuda",
+    ) -> FixedDecodePlan:
+        """A fixed decode launch plan for up to ``max_seqs`` sequences of at most
+        ``max_seq_len`` tokens, with its own workspace: set it as ``meta.decode_plan`` when
+        capturing a CUDA graph (the grid no longer depends on the step; each sequence's
+        split count comes from the device ``seq_lens``). Only for the tensor-core decode
+        (fp16/bf16 queries); make it before capture (it allocates)."""
+        device = torch.device(device)
+        if not tc_supported(dtype, head_dim) or self.decode_kernel == "legacy":
+            raise ValueError(f"no tensor-core decode for {dtype} head size {head_dim}")
+        kv8 = kv_cache_dtype is not None and is_fp8(kv_cache_dtype)
+        sms = self._sms(device)
+        return self._tc.plan_decode(dtype, kv8, head_dim, max_seqs, num_q_heads, num_kv_heads,
+                                    max_seq_len, sms, device, sliding_window)  # fmt: skip
 
     # -- AttentionBackend ----------------------------------------------------------------
 
@@ -149,20 +196,40 @@ class CudaAttentionBackend(AttentionBackend):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        kv_scales: torch.Tensor | None = None,
     ) -> None:
-        """Store new K/V rows at their slots with ``reshape_and_cache``; -1 slots skipped."""
+        """Store new K/V rows at their slots with ``reshape_and_cache`` (quantizing with
+        ``reshape_and_cache_fp8`` for an FP8 cache); -1 slots skipped."""
         if not self._usable(key_cache, value_cache, key, value):
-            return self._ref.write_kv(key, value, key_cache, value_cache, slot_mapping)
+            return self._ref.write_kv(key, value, key_cache, value_cache, slot_mapping, kv_scales)
         if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
             self._fallback("non-contiguous KV cache")
-            return self._ref.write_kv(key, value, key_cache, value_cache, slot_mapping)
+            return self._ref.write_kv(key, value, key_cache, value_cache, slot_mapping, kv_scales)
         num_tokens = key.shape[0]
         if num_tokens == 0:
             return None
+        slots = slot_mapping
+        if slots.dtype != torch.int64 or slots.device != key_cache.device:
+            slots = slots.to(device=key_cache.device, dtype=torch.int64)
+        slots = slots.contiguous()
+        _, heads, block_size, dim = key_cache.shape
+        if is_fp8(key_cache.dtype):
+            scales, pool, layer = resolve_scales(key_cache, kv_scales)
+            if pool is not None:
+                pool.calibrate(layer, key, value, slots)
+            dtype = key.dtype if key.dtype in DTYPE_CODE else torch.float32
+            key, value = _rows(key.to(dtype)), _rows(value.to(dtype))
+            name = reshape_and_cache_fp8_name(dtype)
+            kernel = self._kernels.get(CACHE_OPS, name, key_cache.device)
+            args = (
+                ptr(key), ptr(value), ptr(key_cache), ptr(value_cache), ptr(slots), ptr(scales),
+                i64(key.stride(0)), i64(value.stride(0)), i32(heads), i32(dim), i32(block_size),
+                i64(key_cache.stride(0)), i64(key_cache.stride(1)),
+            )  # fmt: skip
+            self._kernels.launch(kernel, (num_tokens, 1, 1), _BLOCK, args, key_cache.device)
+            return None
         key = _rows(key.to(key_cache.dtype))
         value = _rows(value.to(value_cache.dtype))
-        slots = slot_mapping.to(device=key_cache.device, dtype=torch.int64).contiguous()
-        _, heads, block_size, dim = key_cache.shape
         elem = key_cache.element_size()
         row_bytes = dim * elem
         key_stride, value_stride = key.stride(0) * elem, value.stride(0) * elem
@@ -180,6 +247,28 @@ class CudaAttentionBackend(AttentionBackend):
         self._kernels.launch(kernel, (num_tokens, 1, 1), _BLOCK, args, key_cache.device)
         return None
 
+    def _path(
+        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
+    ) -> tuple[str | None, str]:
+        """(reason to use the torch reference or None, "tc" | "legacy")."""
+        _, q_heads, dim = query.shape
+        _, kv_heads, block_size, _ = key_cache.shape
+        kv8 = is_fp8(key_cache.dtype)
+        tc = self.decode_kernel == "auto" and tc_supported(query.dtype, dim)
+        if kv8:
+            if not tc:
+                return f"FP8 cache with {query.dtype} queries of head size {dim}", "tc"
+            reason = layout_reason(block_size, q_heads, kv_heads)
+        elif query.dtype != key_cache.dtype:
+            return f"query dtype {query.dtype} differs from cache dtype {key_cache.dtype}", "tc"
+        elif tc:
+            reason = layout_reason(block_size, q_heads, kv_heads)
+        else:
+            reason = unsupported_reason(key_cache.dtype, dim, block_size, q_heads, kv_heads)
+        if reason is None and not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+            reason = "non-contiguous KV cache"
+        return reason, "tc" if tc else "legacy"
+
     def forward(
         self,
         query: torch.Tensor,
@@ -187,22 +276,20 @@ class CudaAttentionBackend(AttentionBackend):
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Decodes through ``paged_attention_decode``; prefill chunks per ``self.prefill``."""
+        """Decodes through the decode kernel; prefill chunks per ``self.prefill``."""
         if not self._usable(query, key_cache, value_cache):
-            return self._ref.forward(query, key_cache, value_cache, meta, scale)
-        _, q_heads, dim = query.shape
-        _, kv_heads, block_size, _ = key_cache.shape
-        reason = unsupported_reason(key_cache.dtype, dim, block_size, q_heads, kv_heads)
-        if reason is None and query.dtype != key_cache.dtype:
-            reason = f"query dtype {query.dtype} differs from cache dtype {key_cache.dtype}"
-        if reason is None and not (key_cache.is_contiguous() and value_cache.is_contiguous()):
-            reason = "non-contiguous KV cache"
+            return self._ref.forward(query, key_cache, value_cache, meta, scale, kv_scales)
+        reason, path = self._path(query, key_cache, value_cache)
         if reason is not None:
             self._fallback(reason)
-            return self._ref.forward(query, key_cache, value_cache, meta, scale)
-
+            return self._ref.forward(query, key_cache, value_cache, meta, scale, kv_scales)
+        scales = None
+        if is_fp8(key_cache.dtype):
+            scales = resolve_scales(key_cache, kv_scales)[0]
         query = _rows(query)
+        dim = query.shape[2]
         out = torch.empty_like(query)
         tables = meta.block_tables
         if tables.dtype != torch.int32 or tables.stride(-1) != 1:
@@ -212,13 +299,31 @@ class CudaAttentionBackend(AttentionBackend):
             ctx = meta.seq_lens[:num_decodes]
             if ctx.dtype != torch.int32:
                 ctx = ctx.to(torch.int32)
-            self.decode(query, out, key_cache, value_cache, tables, ctx.contiguous(), None,
-                        meta.max_seq_len, scale, meta.sliding_window)  # fmt: skip
+            if path == "tc":
+                self._tc.decode(query, out, key_cache, value_cache, tables, ctx.contiguous(),
+                                meta, scale, scales, self._sms(query.device), self.split_k,
+                                self.partition_size)  # fmt: skip
+                self.last_decode = self._tc.last_decode
+            else:
+                self.decode(query, out, key_cache, value_cache, tables, ctx.contiguous(), None,
+                            meta.max_seq_len, scale, meta.sliding_window)  # fmt: skip
         if num_decodes < meta.num_seqs:
             starts, lens = self._host_lists(meta)
-            if self.prefill == "sdpa":
+            mode = self.prefill
+            tc_prefill = path == "tc" and prefill_tc_supported(query.dtype, dim)
+            if mode == "auto":  # the legacy per-token path never wins (cuda/NOTES.md)
+                mode = "sdpa"
+                if tc_prefill:
+                    mode = prefill_choice(meta.num_seqs - num_decodes, meta.max_query_len)
+            if mode == "paged" and path == "tc" and not tc_prefill:
+                mode = "sdpa"  # past PREFILL_TC_MAX_HEAD
+            self.last_prefill = mode
+            if mode == "sdpa":
                 sdpa_prefill(query, key_cache, value_cache, tables, starts, lens, num_decodes,
-                             scale, out, meta.sliding_window)  # fmt: skip
+                             scale, out, meta.sliding_window, scales)  # fmt: skip
+            elif path == "tc":
+                self._tc.prefill(query, out, key_cache, value_cache, tables, meta, starts, lens,
+                                 scale, scales)  # fmt: skip
             else:
                 self._paged_prefill(query, out, key_cache, value_cache, tables, meta, starts, scale)
         return out
@@ -362,6 +467,8 @@ class CudaAttentionBackend(AttentionBackend):
         dst_idx = dst.to(device=d_dev, dtype=torch.int64)
         pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         for s_pool, d_pool in ((src_cache.key, dst_cache.key), (src_cache.value, dst_cache.value)):
+            if s_pool.dtype == FP8_DTYPE:  # torch lacks index_copy_ for float8: move bytes
+                s_pool, d_pool = s_pool.view(torch.uint8), d_pool.view(torch.uint8)
             if s_dev == d_dev:
                 d_pool.index_copy_(1, dst_idx, s_pool.index_select(1, src_idx))
             elif d_dev.type == "cuda":  # host -> device

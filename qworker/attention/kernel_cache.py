@@ -6,14 +6,21 @@ Kernels compile through ``cupy.RawModule`` (NVRTC, for the device's own architec
 the options of :mod:`qworker.attention.cuda_kernels`; cupy also keeps the cubin in its
 on-disk cache, so a second process skips NVRTC. Arguments are passed as numpy scalars of the
 exact C type (pointers as ``uint64``), so tensors travel zero-copy by ``data_ptr()``.
+
+A launch is one ``cuLaunchKernel`` (cupy's driver binding) on the stream torch has current
+at that moment, with the arguments packed into a reused buffer by ``struct``: no context
+manager, no allocation, no host sync, so launches can be captured into CUDA graphs (the
+driver copies the arguments when the launch is recorded).
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import struct
 import threading
 import time
-import warnings
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -80,6 +87,38 @@ class KernelRunner(Protocol):
         ...
 
 
+#: struct format of each kernel argument type, one 8-byte slot each.
+_ARG_FORMAT: dict[type, str] = {np.uint64: "Q", np.int64: "q", np.int32: "i4x", np.float32: "f4x"}
+
+
+class _ArgBuffer:
+    """A reusable ``void*[]`` kernel-parameter array over one byte buffer (8 bytes per
+    argument), for one argument signature."""
+
+    def __init__(self, kinds: tuple[type, ...]) -> None:
+        self.fmt = "<" + "".join(_ARG_FORMAT[k] for k in kinds)
+        n = max(1, len(kinds))
+        self.buf = ctypes.create_string_buffer(8 * n)
+        base = ctypes.addressof(self.buf)
+        self.ptrs = (ctypes.c_void_p * n)(*[base + 8 * i for i in range(n)])
+        self.address = ctypes.addressof(self.ptrs)
+
+    def pack(self, args: tuple[Any, ...]) -> int:
+        """Write ``args`` into the buffer; the address of the pointer array."""
+        struct.pack_into(self.fmt, self.buf, 0, *args)
+        return self.address
+
+
+@dataclass(slots=True)
+class CompiledKernel:
+    """A loaded kernel: cupy's object (kept alive), its CUfunction, its smem opt-in."""
+
+    raw: Any
+    func: int
+    max_dynamic_smem: int = 0
+    buffers: threading.local = field(default_factory=threading.local)
+
+
 class KernelCache:
     """Compiled kernels keyed by (source file, name expression, device index).
 
@@ -88,13 +127,12 @@ class KernelCache:
     """
 
     def __init__(self) -> None:
-        self._kernels: dict[tuple[str, str, int], Any] = {}
+        self._kernels: dict[tuple[str, str, int], CompiledKernel] = {}
         self._modules: list[Any] = []  # keeps each loaded module alive beside its kernel
-        self._streams: dict[tuple[int, int], Any] = {}
         self._lock = threading.Lock()
 
     def get(self, source_name: str, name_expression: str, device: torch.device) -> Any:
-        """The ``cupy.RawKernel`` for ``name_expression`` in ``cuda/<source_name>``."""
+        """The :class:`CompiledKernel` for ``name_expression`` in ``cuda/<source_name>``."""
         index = device.index if device.index is not None else torch.cuda.current_device()
         key = (source_name, name_expression, index)
         kernel = self._kernels.get(key)
@@ -111,7 +149,8 @@ class KernelCache:
                         options=NVRTC_OPTIONS,
                         name_expressions=[name_expression],
                     )
-                    kernel = module.get_function(name_expression)
+                    raw = module.get_function(name_expression)
+                    kernel = CompiledKernel(raw, int(raw.kernel.ptr))
                 logger.info(
                     "compiled %s from %s for cuda:%d in %.2fs",
                     name_expression,
@@ -132,20 +171,26 @@ class KernelCache:
         device: torch.device,
         shared_mem: int = 0,
     ) -> None:
-        """Launch ``kernel`` on torch's current stream of ``device``."""
+        """Launch ``kernel`` on torch's current stream of ``device`` (read now, so a launch
+        inside ``torch.cuda.graph`` lands in the capture)."""
         cupy = import_cupy()
         index = device.index if device.index is not None else torch.cuda.current_device()
-        handle = torch.cuda.current_stream(index).cuda_stream
-        stream = self._streams.get((handle, index))
-        if stream is None:
-            with warnings.catch_warnings():
-                # cupy 14 deprecates ExternalStream in favour of Stream.from_external, which
-                # cupy 13 lacks; both accept a raw handle this way.
-                warnings.simplefilter("ignore", DeprecationWarning)
-                stream = cupy.cuda.ExternalStream(handle, index)
-            self._streams[(handle, index)] = stream
-        with cupy.cuda.Device(index), stream:
-            kernel(grid, block, args, shared_mem=shared_mem)
+        stream = torch.cuda.current_stream(index).cuda_stream
+        if shared_mem > kernel.max_dynamic_smem:
+            kernel.raw.max_dynamic_shared_size_bytes = shared_mem
+            kernel.max_dynamic_smem = shared_mem
+        kinds = tuple(type(a) for a in args)
+        buf = getattr(kernel.buffers, "args", None)
+        if buf is None or buf[0] != kinds:
+            buf = (kinds, _ArgBuffer(kinds))
+            kernel.buffers.args = buf
+        params = buf[1].pack(args)
+        launch = cupy.cuda.driver.launchKernel
+        if index == torch.cuda.current_device():
+            launch(kernel.func, *grid, *block, shared_mem, stream, params, 0)
+        else:
+            with cupy.cuda.Device(index):
+                launch(kernel.func, *grid, *block, shared_mem, stream, params, 0)
 
 
 #: The process-wide cache every backend instance shares.

@@ -7,8 +7,9 @@ sequence (a handful per step) the context's blocks are gathered with one ``index
 per K and V, and ``torch.nn.functional.scaled_dot_product_attention`` runs with
 ``causal_lower_right`` (FlashAttention on CUDA), GQA through ``enable_gqa`` where the
 installed torch serves it, else with K/V heads repeated. A sliding window becomes an
-explicit boolean mask. Runs on any device torch supports, which lets CPU tests check it
-against :mod:`qworker.attention.torch_ref`.
+explicit boolean mask. An FP8 cache is gathered as stored and widened times its scales
+(``kv_scales``, see :mod:`qworker.attention.fp8`). Runs on any device torch supports, which
+lets CPU tests check it against :mod:`qworker.attention.torch_ref`.
 """
 
 from __future__ import annotations
@@ -80,12 +81,14 @@ def sdpa_prefill(
     scale: float,
     out: torch.Tensor,
     sliding_window: int | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
     """Attend the query rows of sequences ``first_seq..`` (host lists ``query_starts``, one
     longer than ``seq_lens``) over their cached context, writing into ``out``.
 
     ``query``/``out`` are ``[num_tokens, Hq, D]``; the caches one layer's
-    ``[num_blocks, Hkv, block_size, D]``, already holding this step's K/V.
+    ``[num_blocks, Hkv, block_size, D]``, already holding this step's K/V; ``kv_scales``
+    the layer's ``{k_scale, v_scale}`` when they hold FP8.
     """
     for s in range(first_seq, len(seq_lens)):
         q0, q1 = query_starts[s], query_starts[s + 1]
@@ -95,7 +98,10 @@ def sdpa_prefill(
         k = gather_context(key_cache, block_tables[s], ctx).unsqueeze(0)
         v = gather_context(value_cache, block_tables[s], ctx).unsqueeze(0)
         q = query[q0:q1].transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D]
-        if k.dtype != q.dtype:
+        if kv_scales is not None:
+            k = (k.float() * kv_scales[0]).to(q.dtype)
+            v = (v.float() * kv_scales[1]).to(q.dtype)
+        elif k.dtype != q.dtype:
             k, v = k.to(q.dtype), v.to(q.dtype)
         o = _attend(q, k, v, scale, sliding_window)
         out[q0:q1] = o[0].transpose(0, 1).to(out.dtype)

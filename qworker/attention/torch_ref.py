@@ -3,7 +3,9 @@
 It is the oracle every other backend is tested against and the CPU path, so it
 favours plainness over speed: per sequence, gather the blocks named by the block
 table into a contiguous ``[context, kv_heads, head_dim]`` tensor and run a causal
-softmax attention in fp32. It runs on any device torch supports.
+softmax attention in fp32. It runs on any device torch supports. An FP8 cache
+(:mod:`qworker.attention.fp8`) is written with :func:`~qworker.attention.fp8.quantize`
+and read back times its scales, in fp32.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from qworker.attention.backend import AttentionBackend, AttentionMetadata, KVCache
+from qworker.attention.fp8 import is_fp8, quantize, resolve_scales
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -25,8 +28,14 @@ class TorchAttentionBackend(AttentionBackend):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        kv_scales: torch.Tensor | None = None,
     ) -> None:
         """Scatter new K/V rows into their slots, skipping padding slots (-1)."""
+        if is_fp8(key_cache.dtype):
+            scales, pool, layer = resolve_scales(key_cache, kv_scales)
+            if pool is not None:
+                pool.calibrate(layer, key, value, slot_mapping)
+            key, value = quantize(key, scales[0]), quantize(value, scales[1])
         keep = slot_mapping >= 0
         if not bool(keep.all()):
             key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
@@ -43,8 +52,13 @@ class TorchAttentionBackend(AttentionBackend):
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal attention of each sequence's query rows over its whole cached context."""
+        k_scale = v_scale = None
+        if is_fp8(key_cache.dtype):
+            scales = resolve_scales(key_cache, kv_scales)[0]
+            k_scale, v_scale = scales[0], scales[1]
         out = torch.empty_like(query)
         block_size = key_cache.shape[2]
         num_q_heads = query.shape[1]
@@ -64,6 +78,8 @@ class TorchAttentionBackend(AttentionBackend):
             v = value_cache[table].transpose(0, 1).reshape(num_kv_heads, -1, value_cache.shape[3])
             k = k[:, :seq_len].float().repeat_interleave(group, dim=0)
             v = v[:, :seq_len].float().repeat_interleave(group, dim=0)
+            if k_scale is not None:
+                k, v = k * k_scale, v * v_scale
             q = query[q0:q1].float().transpose(0, 1)  # [heads, q_len, D]
             scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [heads, q_len, seq_len]
             q_len = q1 - q0
@@ -79,8 +95,8 @@ class TorchAttentionBackend(AttentionBackend):
 
     def copy_blocks(self, kv_cache: KVCache, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy whole blocks within the pool, all layers at once."""
-        kv_cache.key[:, dst] = kv_cache.key[:, src]
-        kv_cache.value[:, dst] = kv_cache.value[:, src]
+        for pool in (_bytes(kv_cache.key), _bytes(kv_cache.value)):
+            pool[:, dst] = pool[:, src]
 
     def swap_blocks(
         self, src_cache: KVCache, dst_cache: KVCache, src: torch.Tensor, dst: torch.Tensor
@@ -92,5 +108,10 @@ class TorchAttentionBackend(AttentionBackend):
         # Only a copy *into* the GPU may be asynchronous: a device-to-host copy must land
         # before the host-side scatter reads it.
         nb = device.type == "cuda"
-        dst_cache.key[:, dst_idx] = src_cache.key[:, src_idx].to(device, non_blocking=nb)
-        dst_cache.value[:, dst_idx] = src_cache.value[:, src_idx].to(device, non_blocking=nb)
+        for s_pool, d_pool in ((src_cache.key, dst_cache.key), (src_cache.value, dst_cache.value)):
+            _bytes(d_pool)[:, dst_idx] = _bytes(s_pool)[:, src_idx].to(device, non_blocking=nb)
+
+
+def _bytes(pool: torch.Tensor) -> torch.Tensor:
+    """An FP8 pool as uint8 (torch lacks some indexing kernels for float8); others as is."""
+    return pool.view(torch.uint8) if is_fp8(pool.dtype) else pool

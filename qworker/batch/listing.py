@@ -37,9 +37,16 @@ class BatchListing:
         return ordered + self.unexpected
 
 
+#: Keys per ranged lister at least: a range's last page overshoots by up to a page
+#: (1000 keys), so ranges this long waste at most a fifth of the listing.
+MIN_RANGE_KEYS = 5000
+
+
 def split_points(keys: list[str], parts: int) -> list[str]:
-    """``parts - 1`` keys cutting the sorted ``keys`` into runs of equal length."""
-    if parts <= 1 or len(keys) < 2 * 1000:  # one lister is as fast below two pages
+    """Up to ``parts - 1`` keys cutting the sorted ``keys`` into runs of equal length
+    (each at least ``MIN_RANGE_KEYS`` long)."""
+    parts = min(parts, len(keys) // MIN_RANGE_KEYS)
+    if parts <= 1:
         return []
     ordered = sorted(keys)
     step = len(ordered) / parts

@@ -19,8 +19,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 PREEMPTION_MODES = ("recompute", "swap")
-ATTENTION_BACKENDS = ("auto", "torch", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "cuda")
 BLOCK_SIZES = (8, 16, 32)
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,17 +77,26 @@ class EngineConfig:
     swap_space: int = knob(4 << 30, "host memory for swapped-out KV blocks (swap mode)",
                            unit="bytes")
     attention_backend: str = knob(
-        "auto", "attention implementation; auto = cuda kernels on GPU, batched torch on CPU",
+        "auto", "attention implementation; auto = cuda kernels on GPU, batched cpu backend "
+        "elsewhere; torch = the per-sequence reference",
         choices=ATTENTION_BACKENDS)
     kv_cache_dtype: str = knob(
         "auto", "KV cache element type; auto = dtype, fp8_e4m3 = per-tensor scaled FP8 "
         "(half the bytes of bf16)", choices=KV_CACHE_DTYPES)
     enforce_eager: bool = knob(False, "never use CUDA graphs (debugging); graphs are the GPU "
                                "default for decode steps")
+    async_scheduling: bool = knob(True, "overlap each step's scheduling and output "
+                                  "processing with the device's forward (GPU only; outputs "
+                                  "are identical either way)")
     served_model_name: str | None = knob(
         None, "the model name results report; default: the model dir's or hub id's last part")
+    load_format: str = knob("auto", "how weights are read; dummy = only config.json, random "
+                            "weights made on the device (benchmarks)", choices=LOAD_FORMATS)
     seed: int = knob(0, "engine seed (unseeded sampling draws from it)")
     tokenizer: str | None = knob(None, "tokenizer dir or hub id; default: the model's")
+    model_cache: str | None = knob(
+        None, "where s3:// models are copied; default $XDG_CACHE_HOME, $HF_HOME or ~/.cache "
+        "(/qworker/models), the temp dir when that is read-only")
 
 
 def served_model_name(config: EngineConfig) -> str:
@@ -153,11 +163,13 @@ def check_knob(name: str, value: Any) -> Any:
         isinstance(value, int | float) and not isinstance(value, bool) and 0.0 < value <= 1.0
     ):
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {value!r}")
-    if name in ("enable_prefix_caching", "enforce_eager") and not isinstance(value, bool):
+    if name in ("enable_prefix_caching", "enforce_eager", "async_scheduling") and not isinstance(
+        value, bool
+    ):
         raise ValueError(f"{name} must be true or false, got {value!r}")
     if name == "seed" and not _is_int(value):
         raise ValueError(f"seed must be an integer, got {value!r}")
-    if name in ("served_model_name", "tokenizer") and value is not None and (
+    if name in ("served_model_name", "tokenizer", "model_cache") and value is not None and (
         not isinstance(value, str) or not value
     ):
         raise ValueError(f"{name} must be a non-empty string, got {value!r}")

@@ -14,16 +14,19 @@ import threading
 import time
 from typing import Any
 
-import torch
-
 from qworker.engine.config import EngineConfig, served_model_name
 from qworker.engine.detokenizer import start_offsets
 from qworker.engine.engine_setup import EngineParts, build_engine_parts
-from qworker.engine.model_runner import StepInput
 from qworker.engine.outputs import RequestMetrics, RequestOutput
 from qworker.engine.sampling_params import SamplingParams
 from qworker.engine.sequence import Request, Sequence, SequenceStatus
 from qworker.engine.stats import EngineStats
+from qworker.engine.step_pipeline import (
+    LaunchedStep,
+    StepPipeline,
+    needs_host_history,
+    without_finished,
+)
 from qworker.errors import ContextLengthExceededError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -51,10 +54,34 @@ class Engine:
         self._live_ids: set[str] = set()
         self._requests: dict[str, Request] = {}
         self._next_seq_id = 0
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
+        self.pipeline = StepPipeline(self.runner, self.kv, self.scheduler, self.sampler,
+                                     self.outputs, self._fork)
+        # Overlap needs a device that runs while the host works; on the CPU it buys nothing.
+        self.async_scheduling = config.async_scheduling and self.runner.device.type != "cpu"
+        self._inflight: LaunchedStep | None = None
+        self.num_overlapped_steps = 0  # steps launched before the previous one was processed
         self._snapshot = EngineStats()
+        self._counted_version = -1
+        self._request_counts = (0, 0, 0)
         self._take_snapshot()
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens of requests that produced a first token (a counter)."""
+        return self.pipeline.prompt_tokens
+
+    @prompt_tokens.setter
+    def prompt_tokens(self, value: int) -> None:
+        self.pipeline.prompt_tokens = value
+
+    @property
+    def generation_tokens(self) -> int:
+        """Tokens generated so far (a counter)."""
+        return self.pipeline.generation_tokens
+
+    @generation_tokens.setter
+    def generation_tokens(self, value: int) -> None:
+        self.pipeline.generation_tokens = value
 
     # ---- thread-safe surface -------------------------------------------------------
 
@@ -128,6 +155,7 @@ class Engine:
             params=params,
             max_tokens=max_tokens,
             metrics=RequestMetrics(arrival_time=arrival_time or time.time()),
+            needs_host_history=needs_host_history(params),
         )
         with self._lock:
             if request_id in self._live_ids:
@@ -170,12 +198,29 @@ class Engine:
     # ---- engine thread -------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; return the outputs of requests that finished or were aborted."""
+        """Run one iteration; return the outputs of requests that finished or were aborted.
+
+        With ``async_scheduling`` the step scheduled here is launched before the previous
+        step's samples are processed (see ``step_pipeline``); either way every output
+        is exactly what the one-step-at-a-time engine produces.
+        """
         finished: list[Request] = []
         self._drain_inbox(finished)
+        pipeline = self.pipeline
         sched = self.scheduler.schedule()
-        if not sched.is_empty:
-            self._run(sched.seqs, sched.num_new_tokens, sched, finished)
+        prev, self._inflight = self._inflight, None
+        launched = None
+        if prev is None or pipeline.can_overlap(sched):
+            launched = pipeline.launch(sched, prev)
+            self.num_overlapped_steps += prev is not None and bool(sched.seqs)
+        if prev is not None:
+            pipeline.process(prev, finished)
+            if launched is None:
+                launched = pipeline.launch(without_finished(sched), None)
+        if self.async_scheduling:
+            self._inflight = launched
+        else:
+            pipeline.process(launched, finished)
         outputs = [self.outputs.make_output(r) for r in finished]
         with self._lock:
             for r in finished:
@@ -210,81 +255,26 @@ class Engine:
         request.seqs.append(seq)
         return seq
 
-    def _run(self, seqs: list[Sequence], num_new: list[int], sched: Any,
-             finished: list[Request]) -> None:
-        runner = self.runner
-        runner.swap_out(sched.swap_out)
-        runner.swap_in(sched.swap_in)
-        runner.copy_blocks(sched.copies)
-        order = sorted(range(len(seqs)), key=lambda i: num_new[i] != 1)  # decodes first
-        seqs = [seqs[i] for i in order]
-        num_new = [num_new[i] for i in order]
-        sample = [s.num_computed_tokens + n == s.num_tokens for s, n in zip(seqs, num_new,
-                                                                             strict=True)]
-        step = StepInput(
-            token_chunks=[s.token_ids[s.num_computed_tokens : s.num_computed_tokens + n]
-                          for s, n in zip(seqs, num_new, strict=True)],
-            num_computed=[s.num_computed_tokens for s in seqs],
-            block_tables=[self.kv.block_ids(s.seq_id) for s in seqs],
-            sample=sample,
-        )
-        self.sampler.prepare([s for s, smp in zip(seqs, sample, strict=True) if smp])
-        logits = runner.execute(step)
-        now = time.time()
-        rows: list[int] = []
-        sampling: list[Sequence] = []
-        num_logit_rows = 0
-        for seq, n, samples in zip(seqs, num_new, sample, strict=True):
-            seq.num_computed_tokens += n
-            self.kv.cache_full_blocks(seq)
-            if seq.request.metrics.first_scheduled_time is None:
-                seq.request.metrics.first_scheduled_time = now
-            if samples:
-                rows.append(num_logit_rows)
-                sampling.append(seq)
-                self._fork_siblings(seq, num_logit_rows, rows, sampling)
-                num_logit_rows += 1
-        if logits is None or not sampling:
-            return
-        if len(rows) != logits.shape[0]:
-            logits = logits[torch.tensor(rows, device=logits.device)]
-        result = self.sampler.sample(logits, sampling)
-        for i, seq in enumerate(sampling):
-            request = seq.request
-            if seq.num_output_tokens == 0 and seq.index == 0:
-                self.prompt_tokens += seq.num_prompt_tokens
-            status = self.outputs.append_token(
-                seq, result.token_ids[i], result.logprobs[i], result.top_logprobs[i]
-            )
-            self.generation_tokens += 1
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-            if status is not None:
-                self.scheduler.finish(seq, status)
-                if request.is_finished:
-                    request.metrics.finished_time = time.time()
-                    finished.append(request)
-
-    def _fork_siblings(self, seq: Sequence, row: int, rows: list[int],
-                       sampling: list[Sequence]) -> None:
-        """At a request's first sample, create its other ``n - 1`` sequences sharing blocks."""
-        request = seq.request
-        if request.params.n == 1 or len(request.seqs) == request.params.n:
-            return
-        for index in range(1, request.params.n):
-            child = self._new_seq(request, index, list(seq.token_ids))
-            child.num_computed_tokens = seq.num_computed_tokens
-            child.block_hashes = list(seq.block_hashes)
-            self.kv.fork(seq.seq_id, child.seq_id)
-            self.scheduler.add_running(child)
-            rows.append(row)
-            sampling.append(child)
+    def _fork(self, seq: Sequence, index: int) -> Sequence:
+        """Sibling ``index`` of ``seq`` at its request's first sample, sharing its blocks."""
+        child = self._new_seq(seq.request, index, list(seq.token_ids))
+        child.num_computed_tokens = seq.num_computed_tokens
+        child.block_hashes = list(seq.block_hashes)
+        self.kv.fork(seq.seq_id, child.seq_id)
+        self.scheduler.add_running(child)
+        return child
 
     def _take_snapshot(self) -> None:
         pool = self.kv.pool
         sched = self.scheduler
-        running_requests = {s.request.request_id for s in sched.running}
-        waiting_requests = {s.request.request_id for s in sched.waiting}
+        if self._counted_version != sched.version:  # membership changed: recount requests
+            running_requests = {s.request.request_id for s in sched.running}
+            waiting_requests = {s.request.request_id for s in sched.waiting}
+            self._request_counts = (
+                len(running_requests), len(waiting_requests - running_requests),
+                len({s.request.request_id for s in sched.swapped}))
+            self._counted_version = sched.version
+        num_running, num_waiting, num_swapped = self._request_counts
         self._snapshot = EngineStats(
             num_kv_blocks=pool.num_blocks,
             block_size=self.kv.block_size,
@@ -295,15 +285,16 @@ class Engine:
             prefix_cache_hits=pool.prefix_cache_hits,
             num_preemptions=sched.num_preemptions,
             num_swap_outs=sched.num_swap_outs,
-            prompt_tokens=self.prompt_tokens,
-            generation_tokens=self.generation_tokens,
-            num_requests_running=len(running_requests),
-            num_requests_waiting=len(waiting_requests - running_requests),
-            num_requests_swapped=len({s.request.request_id for s in sched.swapped}),
+            prompt_tokens=self.pipeline.prompt_tokens,
+            generation_tokens=self.pipeline.generation_tokens,
+            num_requests_running=num_running,
+            num_requests_waiting=num_waiting,
+            num_requests_swapped=num_swapped,
             waiting_prompt_blocks=sched.waiting_prompt_blocks(),
             max_model_len=self.max_model_len,
             max_num_seqs=sched.max_num_seqs,
             max_concurrent_full_length_seqs=self.max_concurrent_full_length_seqs,
             attention_backend=self.runner.backend.name,
             kv_cache_dtype=self.config.kv_cache_dtype,
+            cuda_graphs=self.runner.graphs is not None and self.runner.graphs.captured,
         )

@@ -1,8 +1,10 @@
 """Build an engine's parts from an ``EngineConfig``: device, dtype, model, pool size.
 
 Pool sizing: ``num_kv_blocks`` if given; else ``kv_cache_memory`` bytes (CPU default
-1 GiB); else on a GPU, ``gpu_memory_utilization`` x device memory minus the weights and
-the activation peak measured by a profiling forward at ``max_num_batched_tokens``.
+1 GiB); else on a GPU, ``gpu_memory_utilization`` x device memory minus the weights,
+the activation peak measured by a profiling forward at ``max_num_batched_tokens`` and
+the memory the decode CUDA graphs hold (measured by a trial capture). On a GPU the
+graphs are captured once the pool is final, unless ``enforce_eager``.
 A memory-derived pool is capped at ``2 * max_num_seqs`` full-length sequences. A
 pool that cannot hold one ``max_model_len`` sequence is refused with the largest
 ``max_model_len`` that would fit.
@@ -11,17 +13,23 @@ pool that cannot hold one ``max_model_len`` sequence is refused with the largest
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from qworker.attention.fp8 import kv_storage_dtype
+from qworker.attention.select import select_backend
 from qworker.engine.config import EngineConfig, check_config
+from qworker.engine.cuda_graphs import graph_batch_sizes
 from qworker.engine.kv_cache_manager import KVCacheManager
-from qworker.engine.model_runner import DEFAULT_CPU_KV_MEMORY, ModelRunner, select_backend
+from qworker.engine.model_runner import DEFAULT_CPU_KV_MEMORY, ModelRunner
 from qworker.engine.output_processor import OutputProcessor
 from qworker.engine.sampler import Sampler
 from qworker.engine.scheduler import Scheduler
+from qworker.models import fused_kernels
 from qworker.models.base import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -68,17 +76,17 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     """Load the model and tokenizer, size the pool, and wire the engine's parts."""
     from qworker.models.loader import load_model, load_tokenizer
 
+    started = time.perf_counter()
     check_config(config)
-    if config.kv_cache_dtype != "auto":
-        raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} is not available in this "
-                         "build yet; use 'auto'")
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     if config.seed is not None:
         torch.manual_seed(config.seed)
-    loaded = load_model(config.model, dtype, device)
+    cache = Path(config.model_cache) if config.model_cache else None
+    loaded = load_model(config.model, dtype, device, cache_dir=cache,
+                        load_format=config.load_format)
     spec = loaded.spec
-    tokenizer = load_tokenizer(config.tokenizer or loaded.source)
+    tokenizer = load_tokenizer(config.tokenizer or loaded.source, cache_dir=cache)
     max_model_len = config.max_model_len or spec.max_position_embeddings
     if max_model_len > spec.max_position_embeddings:
         raise ValueError(
@@ -86,12 +94,22 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
             f"{spec.max_position_embeddings}"
         )
     backend = select_backend(config.attention_backend, device)
+    if device.type == "cuda":  # the kernel path has the small ops fused too; "torch" has not
+        fused_kernels.enable(fused_kernels.FusedKernels() if backend.name == "cuda" else None)
+    loaded_at = time.perf_counter()
     bs = config.block_size
     blocks_per_seq = -(-max_model_len // bs)
     probe_blocks = -(-min(max_model_len, config.max_num_batched_tokens) // bs) + 1
     first_blocks = config.num_kv_blocks or probe_blocks
-    runner = ModelRunner(loaded.model, spec, device, bs, first_blocks, backend)
-    num_blocks = plan_num_blocks(config, runner, max_model_len)
+    kv_dtype = kv_storage_dtype(config.kv_cache_dtype, spec.dtype)
+    runner = ModelRunner(loaded.model, spec, device, bs, first_blocks, backend, kv_dtype,
+                         max_num_seqs=config.max_num_seqs,
+                         max_num_batched_tokens=config.max_num_batched_tokens,
+                         max_model_len=max_model_len)
+    use_graphs = device.type == "cuda" and not config.enforce_eager
+    graph_sizes = graph_batch_sizes(config.max_num_seqs)
+    num_blocks = plan_num_blocks(config, runner, max_model_len,
+                                 graph_sizes if use_graphs else None)
     if config.num_kv_blocks is None:
         # Beyond every running sequence at full length twice over, blocks only serve the
         # prefix cache; millions of them (a tiny model on a big GPU) cost startup time.
@@ -101,6 +119,15 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
             num_blocks = cap
     if num_blocks != first_blocks:
         runner.reallocate_pool(num_blocks)
+    sized_at = time.perf_counter()
+    if use_graphs:
+        # After the pool is final: graphs hold its addresses.
+        graph_bytes = runner.enable_cuda_graphs(graph_sizes, max_model_len)
+        logger.info("CUDA graphs hold %.1f MiB (captured in %.1fs)", graph_bytes / 2**20,
+                    runner.graphs.capture_seconds if runner.graphs else 0.0)
+    logger.info("startup: model load %.1fs, pool sizing (profiling, kernel compilation, trial "
+                "capture) %.1fs, CUDA graph capture %.1fs", loaded_at - started,
+                sized_at - loaded_at, time.perf_counter() - sized_at)
     if num_blocks < blocks_per_seq:
         raise ValueError(
             f"the KV pool holds {num_blocks} blocks of {bs} tokens ({num_blocks * bs} tokens), "
@@ -135,8 +162,11 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     )
 
 
-def plan_num_blocks(config: EngineConfig, runner: ModelRunner, max_model_len: int) -> int:
-    """How many blocks the pool gets (see the module docstring)."""
+def plan_num_blocks(config: EngineConfig, runner: ModelRunner, max_model_len: int,
+                    graph_sizes: list[int] | None = None) -> int:
+    """How many blocks the pool gets (see the module docstring). With ``graph_sizes``,
+    the memory CUDA graphs of those decode buckets hold is measured by a trial capture
+    on the probe pool and left out of the KV budget."""
     per_block = runner.bytes_per_block()
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
@@ -146,13 +176,19 @@ def plan_num_blocks(config: EngineConfig, runner: ModelRunner, max_model_len: in
         return DEFAULT_CPU_KV_MEMORY // per_block
     dev = runner.device
     peak = runner.profile_peak_bytes(config.max_num_batched_tokens, max_model_len)
+    graphs = 0
+    if graph_sizes:
+        graphs = runner.enable_cuda_graphs(graph_sizes, max_model_len)
+        runner.drop_cuda_graphs()
+        torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(dev)
     in_use = torch.cuda.memory_allocated(dev) - runner.kv_cache.key.nbytes * 2
     non_torch = max(0, (total - free) - torch.cuda.memory_reserved(dev))
-    budget = int(config.gpu_memory_utilization * total) - in_use - peak - non_torch
+    budget = int(config.gpu_memory_utilization * total) - in_use - peak - non_torch - graphs
     logger.info(
         "GPU memory: total %.1f GiB, weights+other %.2f GiB, activation peak %.2f GiB, "
-        "non-torch %.2f GiB -> KV budget %.2f GiB",
-        total / 2**30, in_use / 2**30, peak / 2**30, non_torch / 2**30, budget / 2**30,
+        "non-torch %.2f GiB, CUDA graphs %.2f GiB -> KV budget %.2f GiB",
+        total / 2**30, in_use / 2**30, peak / 2**30, non_torch / 2**30, graphs / 2**30,
+        budget / 2**30,
     )
     return max(0, budget // per_block)

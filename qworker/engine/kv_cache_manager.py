@@ -39,6 +39,8 @@ class KVCacheManager:
         self.table_ids: dict[int, list[int]] = {}
         self._num_cached: dict[int, int] = {}
         self.pending_copies: list[tuple[int, int]] = []
+        self._keys: dict[int, int] = {}
+        self._next_key = 0
         self.num_swap_blocks = num_swap_blocks
         self._free_host = list(range(num_swap_blocks - 1, -1, -1))
         self.host_tables: dict[int, list[int]] = {}
@@ -62,6 +64,21 @@ class KVCacheManager:
     def block_ids(self, seq_id: int) -> list[int]:
         """The sequence's block table as block ids (the live list: do not mutate)."""
         return self.table_ids.get(seq_id, [])
+
+    def table_key(self, seq_id: int) -> int:
+        """Changes whenever the sequence's table changes other than by appending blocks
+        (new table, copy-on-write, swap-in); never reused. The model runner keeps its
+        device block table row as long as the key holds and only appends."""
+        return self._keys.get(seq_id, -1)
+
+    def step_tables(self, seq_ids: list[int]) -> tuple[list[list[int]], list[int]]:
+        """``block_ids`` and ``table_key`` of each sequence, for a step's inputs."""
+        ids, keys = self.table_ids, self._keys
+        return [ids.get(s, []) for s in seq_ids], [keys.get(s, -1) for s in seq_ids]
+
+    def _new_key(self, seq_id: int) -> None:
+        self._keys[seq_id] = self._next_key
+        self._next_key += 1
 
     # ---- prefix cache --------------------------------------------------------------
 
@@ -99,11 +116,15 @@ class KVCacheManager:
         """Register the sequence's newly computed full blocks in the prefix cache."""
         if not self.pool.enable_caching:
             return
+        # Only tokens known on the host can be hashed: a pending token's block waits.
+        known = min(seq.num_computed_tokens, len(seq.token_ids))
+        start = self._num_cached.get(seq.seq_id, 0)
+        if known // self.block_size <= start:  # the common case: no block completed
+            return
         table = self.tables.get(seq.seq_id)
         if not table:
             return
-        num_full = min(seq.num_computed_tokens // self.block_size, len(table))
-        start = self._num_cached.get(seq.seq_id, 0)
+        num_full = min(known // self.block_size, len(table))
         if num_full <= start:
             return
         hashes = self._update_hashes(seq, num_full)
@@ -126,8 +147,15 @@ class KVCacheManager:
         ``len(computed_blocks) * block_size`` to ``num_computed_tokens``. A shared block
         about to be written is replaced by a private copy (see ``pending_copies``).
         """
-        computed_blocks = computed_blocks or []
         table = self.tables.get(seq.seq_id)
+        if not computed_blocks and table:
+            # Fast path of a decode: the new tokens fit in the last block, which is private.
+            bs = self.block_size
+            done = seq.num_computed_tokens
+            if (done // bs == len(table) - 1 and (done + num_new_tokens + bs - 1) // bs
+                    <= len(table) and table[-1].ref_cnt == 1):
+                return True
+        computed_blocks = computed_blocks or []
         if table is None:
             table = []
         num_computed = seq.num_computed_tokens + len(computed_blocks) * self.block_size
@@ -141,6 +169,7 @@ class KVCacheManager:
         if seq.seq_id not in self.tables:
             self.tables[seq.seq_id] = table
             self.table_ids[seq.seq_id] = []
+            self._new_key(seq.seq_id)
         ids = self.table_ids[seq.seq_id]
         if computed_blocks:
             self.pool.touch(computed_blocks)
@@ -168,6 +197,7 @@ class KVCacheManager:
         self.pool.free_blocks([old])
         self.tables[seq_id][index] = new
         self.table_ids[seq_id][index] = new.block_id
+        self._new_key(seq_id)
         # The copy is private and may yet be written: only full blocks before it stay cached.
         self._num_cached[seq_id] = min(self._num_cached.get(seq_id, 0), index)
 
@@ -188,12 +218,14 @@ class KVCacheManager:
         self.pool.touch(table)
         self.tables[child_seq_id] = list(table)
         self.table_ids[child_seq_id] = list(self.table_ids.get(parent_seq_id, []))
+        self._new_key(child_seq_id)
         self._num_cached[child_seq_id] = self._num_cached.get(parent_seq_id, 0)
 
     def free(self, seq_id: int) -> None:
         """Release every block the sequence holds, on device and on host (tail first)."""
         table = self.tables.pop(seq_id, None)
         self.table_ids.pop(seq_id, None)
+        self._keys.pop(seq_id, None)
         self._num_cached.pop(seq_id, None)
         if table:
             self.pool.free_blocks(reversed(table))
@@ -232,6 +264,7 @@ class KVCacheManager:
         blocks = self.pool.get_new_blocks(len(host))
         self.tables[seq_id] = blocks
         self.table_ids[seq_id] = [b.block_id for b in blocks]
+        self._new_key(seq_id)
         self._num_cached[seq_id] = len(blocks)  # never re-register: content came from the host
         self._free_host.extend(reversed(host))
         return [(h, b.block_id) for h, b in zip(host, blocks, strict=True)]

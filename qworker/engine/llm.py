@@ -22,8 +22,8 @@ Prompt = str | list[int]
 class LLM:
     """Load a model once, then ``generate`` / ``chat`` over batches of prompts.
 
-    Keyword arguments are ``EngineConfig`` fields (DESIGN.md). Not thread-safe: use
-    ``Engine`` directly to drive generation from another thread.
+    Keyword arguments are ``EngineConfig`` fields (docs/configuration.md, "Engine").
+    Not thread-safe: use ``Engine`` directly to drive generation from another thread.
     """
 
     def __init__(self, model: str, **kwargs: Any) -> None:

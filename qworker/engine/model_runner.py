@@ -1,64 +1,34 @@
 """The model runner: owns the model, the paged KV pool and the attention backend.
 
-It sizes the pool (an exact ``num_kv_blocks``; on CPU ``kv_cache_memory`` bytes,
-1 GiB by default; on GPU ``gpu_memory_utilization`` of the device minus the weights
-and the activation peak of a profiling forward at ``max_num_batched_tokens``), and
-turns a scheduled step into one forward: metadata built with tensor ops (decodes
-first, then prefill chunks), block copies executed first, logits computed only for
-the rows that sample.
+It holds the pool (sized by ``engine_setup``), executes block copies and swaps, and
+turns a scheduled step into one forward: inputs and metadata through the persistent
+buffers of ``step_inputs`` (no host-device round trip), the forward inside the step's
+``forward_context``, logits only for the rows that sample.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-from dataclasses import dataclass
+from typing import Any
 
-import numpy as np
 import torch
 
-from qworker.attention.backend import AttentionBackend, AttentionMetadata, KVCache
-from qworker.attention.torch_ref import TorchAttentionBackend
+from qworker.attention.backend import AttentionBackend, KVCache
+from qworker.attention.paged_attention import (
+    attention_layers,
+    bind_kv_cache,
+    forward_context,
+    unbind_kv_cache,
+)
+from qworker.engine.cuda_graphs import CudaGraphRunner, GraphFactory, PlanFactory
+from qworker.engine.step_inputs import PreparedStep, StepInput, StepInputBuilder
 from qworker.models.base import CausalLM, ModelSpec
+
+__all__ = ["DEFAULT_CPU_KV_MEMORY", "ModelRunner", "StepInput"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_MEMORY = 1 << 30
-
-
-def select_backend(name: str, device: torch.device) -> AttentionBackend:
-    """The attention backend for ``name`` ("auto" | "torch" | "cuda") on ``device``.
-
-    "auto" is the CUDA backend on a GPU when it imports, else the torch reference.
-    """
-    if name not in ("auto", "torch", "cuda"):
-        raise ValueError(f"attention_backend must be 'auto', 'torch' or 'cuda', got {name!r}")
-    if name == "torch" or (name == "auto" and device.type != "cuda"):
-        return TorchAttentionBackend()
-    if device.type != "cuda":
-        raise ValueError("attention_backend='cuda' needs device='cuda'")
-    try:
-        from qworker.attention.cuda_backend import CudaAttentionBackend
-
-        return CudaAttentionBackend()
-    except Exception as exc:  # any import/compile failure: the reference still works
-        if name == "cuda":
-            raise
-        logger.warning("CUDA attention backend unavailable (%s); using the torch reference", exc)
-        return TorchAttentionBackend()
-
-
-@dataclass(slots=True)
-class StepInput:
-    """One step as the runner sees it: per sequence its block ids, context and new tokens.
-
-    ``sample[i]`` tells whether sequence ``i`` needs logits (its last token is in the step).
-    """
-
-    token_chunks: list[list[int]]
-    num_computed: list[int]
-    block_tables: list[list[int]]
-    sample: list[bool]
 
 
 class ModelRunner:
@@ -72,28 +42,43 @@ class ModelRunner:
         block_size: int,
         num_blocks: int,
         backend: AttentionBackend,
+        kv_dtype: torch.dtype | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
     ) -> None:
         self.model = model
         self.spec = spec
         self.device = device
         self.block_size = block_size
         self.backend = backend
+        # the cache's element type: the model dtype, or FP8 (kv_cache_dtype, qworker.attention.fp8)
+        self.kv_dtype = kv_dtype or spec.dtype
+        max_len = max_model_len or spec.max_position_embeddings
+        self.inputs = StepInputBuilder(device, block_size, max_num_batched_tokens,
+                                       max_num_seqs, -(-max_len // block_size))
+        self.graphs: CudaGraphRunner | None = None
         self.kv_cache = self._allocate(num_blocks)
+        bind_kv_cache(model, self.kv_cache, backend)
         self.swap_cache: KVCache | None = None
 
     def _allocate(self, num_blocks: int) -> KVCache:
         spec = self.spec
         return KVCache.allocate(
             spec.num_layers, num_blocks, spec.num_kv_heads, self.block_size, spec.head_dim,
-            spec.dtype, self.device,
+            self.kv_dtype, self.device,
         )
 
     def reallocate_pool(self, num_blocks: int) -> None:
-        """Replace the device pool by a zeroed one of ``num_blocks`` blocks (after profiling)."""
+        """Replace the device pool by a zeroed one of ``num_blocks`` blocks (after profiling);
+        captured graphs point at the old pool and are dropped."""
+        self.drop_cuda_graphs()
+        unbind_kv_cache(self.model)
         self.kv_cache = None  # type: ignore[assignment]
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.kv_cache = self._allocate(num_blocks)
+        bind_kv_cache(self.model, self.kv_cache, self.backend)
 
     def attach_swap_pool(self, num_blocks: int) -> None:
         """Allocate the host pool swapped-out blocks go to (pinned next to a GPU)."""
@@ -101,14 +86,14 @@ class ModelRunner:
             spec = self.spec
             self.swap_cache = KVCache.allocate(
                 spec.num_layers, num_blocks, spec.num_kv_heads, self.block_size, spec.head_dim,
-                spec.dtype, "cpu", pin_memory=self.device.type == "cuda",
+                self.kv_dtype, "cpu", pin_memory=self.device.type == "cuda",
             )
 
     def bytes_per_block(self) -> int:
         """Bytes one block costs across all layers, keys and values."""
         spec = self.spec
         return KVCache.bytes_per_block(
-            spec.num_layers, spec.num_kv_heads, self.block_size, spec.head_dim, spec.dtype
+            spec.num_layers, spec.num_kv_heads, self.block_size, spec.head_dim, self.kv_dtype
         )
 
     # ---- block movement ------------------------------------------------------------
@@ -139,57 +124,74 @@ class ModelRunner:
 
     # ---- forward -------------------------------------------------------------------
 
-    def build(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Flatten a step into input ids, positions and attention metadata (on device).
+    def enable_cuda_graphs(self, sizes: list[int], max_model_len: int,
+                           graph_factory: GraphFactory | None = None) -> int:
+        """Capture the decode forward for every batch size in ``sizes`` (after the pool is
+        final: graphs hold its addresses); returns the device bytes they hold. Needs a
+        backend with fixed decode plans (``plan_decode``: the CUDA kernels) unless a test
+        passes its own ``graph_factory``; otherwise graphs stay off (logged)."""
+        plans = self._plan_factory(max_model_len)
+        if plans is None and graph_factory is None:
+            logger.info("CUDA graphs off: attention backend %s cannot be captured",
+                        self.backend.name)
+            return 0
+        try:
+            if plans is not None:
+                plans(1)
+        except ValueError as exc:  # e.g. no tensor-core decode for this dtype / head size
+            logger.info("CUDA graphs off: %s", exc)
+            return 0
+        self.graphs = CudaGraphRunner(self.model, self.inputs, sizes, max_model_len,
+                                      graph_factory, plans)
+        return self.graphs.capture_all()
 
-        Sequences must already be ordered decodes first.
-        """
-        bs = self.block_size
-        q_lens = np.fromiter((len(c) for c in step.token_chunks), dtype=np.int64,
-                             count=len(step.token_chunks))
-        ctx = np.asarray(step.num_computed, dtype=np.int64)
-        num_seqs = len(q_lens)
-        qsl = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=qsl[1:])
-        num_tokens = int(qsl[-1])
-        seq_lens = ctx + q_lens
-        max_blocks = max((len(t) for t in step.block_tables), default=1) or 1
-        tables = np.zeros((num_seqs, max_blocks), dtype=np.int64)
-        for i, t in enumerate(step.block_tables):
-            tables[i, : len(t)] = t
-        input_ids = np.fromiter(
-            itertools.chain.from_iterable(step.token_chunks), dtype=np.int64, count=num_tokens
-        )
-        # position of each query token = its sequence's context length + its offset in the chunk
-        seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
-        positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(qsl[:-1] - ctx, q_lens)
-        slots = tables[seq_of_token, positions // bs] * bs + positions % bs
-        num_decodes = int(np.argmax(q_lens != 1)) if (q_lens != 1).any() else num_seqs
-        dev = self.device
-        meta = AttentionMetadata(
-            num_seqs=num_seqs,
-            num_tokens=num_tokens,
-            num_decodes=num_decodes,
-            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            block_tables=torch.from_numpy(tables.astype(np.int32)).to(dev),
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            max_query_len=int(q_lens.max()) if num_seqs else 0,
-            max_seq_len=int(seq_lens.max()) if num_seqs else 0,
-        )
-        return torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), meta
-
-    @torch.inference_mode()
-    def execute(self, step: StepInput) -> torch.Tensor | None:
-        """Run one forward; return fp32 logits of the sampling rows, in order (or None)."""
-        input_ids, positions, meta = self.build(step)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta, self.backend)
-        rows = [i for i, s in enumerate(step.sample) if s]
-        if not rows:
+    def _plan_factory(self, max_model_len: int) -> PlanFactory | None:
+        """Per bucket size, the backend's fixed decode plan of each sliding window."""
+        plan_decode = getattr(self.backend, "plan_decode", None)
+        if plan_decode is None:
             return None
-        last = meta.query_start_loc[1:].long() - 1
-        idx = last[torch.tensor(rows, device=self.device)] if len(rows) < meta.num_seqs else last
-        return self.model.compute_logits(hidden[idx]).float()
+        spec, windows = self.spec, {a.sliding_window for a in attention_layers(self.model)}
+
+        def make(size: int) -> dict[int | None, Any]:
+            return {w: plan_decode(size, max_model_len, spec.num_q_heads, spec.num_kv_heads,
+                                   spec.head_dim, spec.dtype, kv_cache_dtype=self.kv_dtype,
+                                   sliding_window=w, device=self.device) for w in windows}
+
+        return make
+
+    def drop_cuda_graphs(self) -> None:
+        """Release the captured graphs (eager forwards from now on)."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+
+    def prepare(self, step: StepInput, prev_tokens: torch.Tensor | None = None) -> PreparedStep:
+        """The step's device inputs (sequences ordered decodes first); see ``step_inputs``.
+        A pure-decode step within the graph buckets is padded to its bucket."""
+        size = self.graphs.bucket(step) if self.graphs is not None else None
+        return self.inputs.build(step, prev_tokens, pad_to=size)
+
+    def forward(self, prepared: PreparedStep) -> torch.Tensor | None:
+        """Run the model (a graph replay when the step was padded to a bucket); fp32 logits
+        ``[num_logit_rows, vocab]`` in row order, or None."""
+        if prepared.graph_size is not None and self.graphs is not None:
+            hidden = self.graphs.replay(prepared)
+        else:
+            with forward_context(prepared.meta):
+                hidden = self.model(prepared.input_ids, prepared.positions)
+        if not prepared.num_logit_rows:
+            return None
+        if prepared.logits_index is not None:
+            hidden = hidden.index_select(0, prepared.logits_index)
+        return self.model.compute_logits(hidden).float()
+
+    def execute(self, step: StepInput, prev_tokens: torch.Tensor | None = None
+                ) -> torch.Tensor | None:
+        """``prepare`` then ``forward``: fp32 logits of the sampling rows, in order (or None)."""
+        if torch.is_inference_mode_enabled():
+            return self.forward(self.prepare(step, prev_tokens))
+        with torch.inference_mode():
+            return self.forward(self.prepare(step, prev_tokens))
 
     # ---- sizing --------------------------------------------------------------------
 

@@ -52,7 +52,10 @@ class TokenCounts:
         stale: list[int] = []
         for i, seq in enumerate(seqs):
             slot = self._slots.get(seq.seq_id)
-            if slot is not None and slot.seq is seq and slot.num_counted == seq.num_output_tokens:
+            # tokens drawn but not yet appended on the host (overlapped steps) were
+            # counted on the device already
+            expected = seq.num_output_tokens + seq.num_pending
+            if slot is not None and slot.seq is seq and slot.num_counted == expected:
                 slot.last_step = self._step
                 out.append(slot)
             else:
@@ -128,7 +131,13 @@ class TokenCounts:
         self._free.extend(range(new - 1, old - 1, -1))
 
     def _rebuild(self, slots: list[_Slot]) -> None:
-        """Refill the rows of ``slots`` from their sequences' tokens (one op per tensor)."""
+        """Refill the rows of ``slots`` from their sequences' tokens (one op per tensor).
+
+        Only host tokens can be recounted: a sequence with a token still in flight keeps
+        its slot (it sampled in the step before), so it is never rebuilt.
+        """
+        if any(s.seq.num_pending for s in slots):
+            raise RuntimeError("penalty counts cannot be rebuilt while a token is in flight")
         vocab = self.vocab_size
         idx = torch.tensor([s.index for s in slots], dtype=torch.long).to(self.device)
         self.counts.index_fill_(0, idx, 0)

@@ -178,6 +178,12 @@ class SamplingParams:
         )
 
     @property
+    def needs_host_history(self) -> bool:
+        """True when sampling needs the previous token on the host before the next step
+        (a grammar advances on host token values); penalties are counted on the device."""
+        return self.structured_outputs is not None
+
+    @property
     def greedy(self) -> bool:
         """True when tokens are chosen by argmax (``temperature == 0``)."""
         return self.temperature == 0.0

@@ -73,24 +73,44 @@ class Scheduler:
         self.swapped: deque[Sequence] = deque()
         self.num_preemptions = 0
         self.num_swap_outs = 0
+        #: Bumped whenever a sequence enters or leaves a queue (stats derived from the
+        #: queues' membership are recomputed only then).
+        self.version = 0
+        self._waiting_blocks: dict[int, int] = {}  # seq_id -> blocks counted while waiting
+        self._waiting_blocks_total = 0
+
+    def _enqueue_waiting(self, seq: Sequence, front: bool = False) -> None:
+        blocks = self.kv.blocks_for(seq.num_tokens)
+        self._waiting_blocks[seq.seq_id] = blocks
+        self._waiting_blocks_total += blocks
+        if front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
+
+    def _left_waiting(self, seq: Sequence) -> None:
+        self._waiting_blocks_total -= self._waiting_blocks.pop(seq.seq_id, 0)
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence at the back of the waiting queue."""
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        self._enqueue_waiting(seq)
+        self.version += 1
 
     def add_running(self, seq: Sequence) -> None:
         """Register a sequence forked from a running one (it already holds shared blocks)."""
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
+        self.version += 1
 
     def has_unfinished(self) -> bool:
         """True while any sequence waits, runs or sits swapped out."""
         return bool(self.waiting or self.running or self.swapped)
 
     def waiting_prompt_blocks(self) -> int:
-        """Blocks the waiting sequences would need if nothing were cached."""
-        return sum(self.kv.blocks_for(s.num_tokens) for s in self.waiting)
+        """Blocks the waiting sequences would need if nothing were cached (as counted when
+        each joined the queue; kept up to date, not recomputed per call)."""
+        return self._waiting_blocks_total
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Take a sequence out of whatever queue holds it and release its blocks."""
@@ -98,27 +118,33 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+            self._left_waiting(seq)
         elif seq.status is SequenceStatus.SWAPPED:
             self.swapped.remove(seq)
         seq.status = status
         self.kv.free(seq.seq_id)
+        self.version += 1
 
     def schedule(self) -> SchedulerOutput:
         """Choose the next step's sequences and reserve their slots."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        running, allocate = self.running, self.kv.allocate_slots
+        seqs, counts = out.seqs, out.num_new_tokens
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            while not self.kv.allocate_slots(seq, num_new):
-                victim = self.running.pop()
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            num_new = seq.num_uncomputed_tokens
+            if num_new > budget:
+                num_new = budget
+            while not allocate(seq, num_new):
+                victim = running.pop()
                 self._preempt(victim, out)
                 if victim is seq:
                     break
             else:
-                out.seqs.append(seq)
-                out.num_new_tokens.append(num_new)
+                seqs.append(seq)
+                counts.append(num_new)
                 budget -= num_new
             i += 1
         if not out.preempted:
@@ -131,12 +157,15 @@ class Scheduler:
     def _resume_swapped(self, out: SchedulerOutput, budget: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
+            if seq.num_pending:  # swapped out with its last token still on the device
+                break
             num_new = min(seq.num_uncomputed_tokens, budget)
             num_host = len(self.kv.host_tables.get(seq.seq_id, ()))
             extra = self.kv.blocks_for(seq.num_computed_tokens + num_new) - num_host
             if not self.kv.can_swap_in(seq.seq_id, max(extra, 0)):
                 break
             self.swapped.popleft()
+            self.version += 1
             out.swap_in.extend(self.kv.swap_in(seq.seq_id))
             if not self.kv.allocate_slots(seq, num_new):  # cannot fail: room was checked
                 raise RuntimeError(f"swap-in of sequence {seq.seq_id} lost its reserved blocks")
@@ -150,12 +179,16 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_pending:  # preempted with its last token still on the device
+                break
             computed = self.kv.get_computed_blocks(seq)
             num_hit = len(computed) * self.kv.block_size
             num_new = min(seq.num_tokens - seq.num_computed_tokens - num_hit, budget)
             if not self.kv.allocate_slots(seq, num_new, computed):
                 break
             self.waiting.popleft()
+            self._left_waiting(seq)
+            self.version += 1
             self.kv.record_prefix_query(seq.num_tokens)
             seq.num_computed_tokens += num_hit
             if seq.index == 0 and seq.request.metrics.first_scheduled_time is None:
@@ -167,6 +200,7 @@ class Scheduler:
             budget -= num_new
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.version += 1
         self.num_preemptions += 1
         seq.num_preemptions += 1
         out.preempted.append(seq)
@@ -179,4 +213,4 @@ class Scheduler:
         self.kv.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._enqueue_waiting(seq, front=True)

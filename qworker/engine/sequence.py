@@ -28,7 +28,7 @@ class SequenceStatus(enum.Enum):
     @property
     def finished(self) -> bool:
         """True for the three FINISHED_* states."""
-        return self in _FINISHED
+        return self._finished  # type: ignore[attr-defined, no-any-return]
 
     @property
     def finish_reason(self) -> str | None:
@@ -43,6 +43,8 @@ _FINISHED = frozenset(
         SequenceStatus.FINISHED_ABORTED,
     }
 )
+for _status in SequenceStatus:  # a plain attribute: read for every sequence every step
+    _status._finished = _status in _FINISHED  # type: ignore[attr-defined]
 _REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
     SequenceStatus.FINISHED_LENGTH: "length",
@@ -55,9 +57,13 @@ class Sequence:
     """One stream of tokens: the prompt plus what has been generated for it.
 
     ``token_ids`` holds prompt and output tokens; ``num_computed_tokens`` of them have
-    their keys and values in the KV cache. ``index`` is the completion index inside the
-    request (it seeds the sampler together with the request's seed). Text fields are
-    filled by incremental detokenization when the request has stop strings.
+    their keys and values in the KV cache (or being computed by a step in flight).
+    ``num_pending`` counts tokens already sampled on the device but not yet appended
+    (at most one, while the engine overlaps steps): the scheduler treats them as part
+    of the sequence, the next step reads them from the device. ``index`` is the
+    completion index inside the request (it seeds the sampler together with the
+    request's seed). Text fields are filled by incremental detokenization when the
+    request has stop strings.
     """
 
     seq_id: int
@@ -75,6 +81,7 @@ class Sequence:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     block_hashes: list[int] = field(default_factory=list)
+    num_pending: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -93,8 +100,9 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        """Tokens whose keys and values must still be computed before the next sample."""
-        return len(self.token_ids) - self.num_computed_tokens
+        """Tokens (pending ones included) whose keys and values must still be computed
+        before the next sample."""
+        return len(self.token_ids) + self.num_pending - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -114,6 +122,9 @@ class Request:
     metrics: RequestMetrics
     seqs: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0
+    #: Sampling reads the host-side token history (``step_pipeline.needs_host_history``):
+    #: the request's sequences are not sampled while a token of theirs is in flight.
+    needs_host_history: bool = False
 
     @property
     def is_finished(self) -> bool:

@@ -8,8 +8,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from qworker.attention.backend import AttentionBackend, AttentionMetadata, KVCache
-
 
 @dataclass(slots=True)
 class ModelSpec:
@@ -33,23 +31,17 @@ class CausalLM(nn.Module, ABC):
     """A decoder-only language model that reads and writes a paged KV cache.
 
     ``forward`` takes the step's flattened tokens (``input_ids`` and ``positions``,
-    int64 ``[num_tokens]``) and returns final hidden states ``[num_tokens, hidden]``;
-    each attention layer ``i`` calls ``backend.write_kv`` then ``backend.forward`` on
-    ``kv_cache.key[i]`` / ``kv_cache.value[i]``. ``compute_logits`` maps selected
-    hidden states to fp32 logits ``[n, vocab_size]``.
+    int64 ``[num_tokens]``) and returns final hidden states ``[num_tokens, hidden]``.
+    Its attention goes through one ``PagedAttention`` layer per decoder layer
+    (``qworker.attention.paged_attention``): the runner binds them to the KV pool and
+    backend and sets the step's metadata around the call. ``compute_logits`` maps
+    selected hidden states to fp32 logits ``[n, vocab_size]``.
     """
 
     spec: ModelSpec
 
     @abstractmethod
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Run every layer over the step's tokens; return final hidden states."""
 
     @abstractmethod

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qworker.models.ops import add_rms_norm, rms_norm
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm computed in fp32, as transformers' Llama does."""
@@ -19,11 +21,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise over the last dimension and scale by ``weight``."""
-        dtype = x.dtype
-        x32 = x.to(torch.float32)
-        var = x32.pow(2).mean(-1, keepdim=True)
-        x32 = x32 * torch.rsqrt(var + self.eps)
-        return self.weight * x32.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)`` in one fused step."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class FusedLinear(nn.Module):

@@ -9,7 +9,6 @@ each (``qkv_proj``, ``gate_up_proj``) for speed.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
@@ -17,11 +16,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qworker.attention.backend import AttentionBackend, AttentionMetadata, KVCache
+from qworker.attention.paged_attention import PagedAttention
 from qworker.models.base import CausalLM, ModelSpec
 from qworker.models.layers import FusedLinear, RMSNorm, activation
+from qworker.models.ops import gated_act, rotate_qk
 from qworker.models.rope import RotaryEmbedding
 from qworker.models.weights import StackedRule, check_all_loaded, load_weights
+
+#: The step's RoPE state: positions, cos/sin tables, and the cos/sin gathered at the first
+#: layer that needs them (``qworker.models.ops.rotate_qk``).
+RopeStep = tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], list[torch.Tensor]]
 
 
 def _head_dim(config: Any) -> int:
@@ -47,16 +51,11 @@ def layer_sliding_windows(config: Any) -> list[int | None]:
 class LlamaAttention(nn.Module):
     """Self-attention with GQA/MQA, RoPE and optional q/k norm, over one layer's KV pages."""
 
-    def __init__(
-        self, config: Any, layer_idx: int, rotary: RotaryEmbedding, sliding_window: int | None
-    ) -> None:
+    def __init__(self, config: Any, layer_idx: int, sliding_window: int | None) -> None:
         super().__init__()
-        self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads or self.num_heads
         self.head_dim = _head_dim(config)
-        self.scale = self.head_dim**-0.5
-        self.sliding_window = sliding_window
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
@@ -71,31 +70,27 @@ class LlamaAttention(nn.Module):
         else:
             self.q_norm = None
             self.k_norm = None
-        self.rotary = rotary
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim,
+                                   self.head_dim**-0.5, layer_idx, sliding_window)
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:
-        """Project, rotate, write this step's K/V into the pool, attend, project out."""
+    @property
+    def sliding_window(self) -> int | None:
+        """This layer's attention window in tokens (None: full attention)."""
+        return self.attn.sliding_window
+
+    def forward(self, hidden: torch.Tensor, rope: RopeStep) -> torch.Tensor:
+        """Project, rotate (``rope``: the step's positions, tables and cos/sin cache),
+        attend (cache write included), project out."""
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.split_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        key_cache = kv_cache.key[self.layer_idx]
-        value_cache = kv_cache.value[self.layer_idx]
-        backend.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
-        out = backend.forward(q, key_cache, value_cache, meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        q, k = rotate_qk(q, k, *rope)
+        out = self.attn(q, k, v)
+        return self.o_proj(out)
 
 
 class LlamaMLP(nn.Module):
@@ -111,37 +106,34 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the gated MLP to ``[num_tokens, hidden]``."""
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(gated_act(self.gate_up_proj(x), self.act))
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm transformer block: attention then MLP, each with a residual."""
+    """Pre-norm transformer block: attention then MLP, each with a residual.
 
-    def __init__(
-        self, config: Any, layer_idx: int, rotary: RotaryEmbedding, sliding_window: int | None
-    ) -> None:
+    The residual stream is carried between layers unnormalised and added inside the
+    next norm (``add_rms_norm``), so each layer costs two fused norm steps.
+    """
+
+    def __init__(self, config: Any, layer_idx: int, sliding_window: int | None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, rotary, sliding_window)
+        self.self_attn = LlamaAttention(config, layer_idx, sliding_window)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:
-        """Run the block over the step's tokens."""
-        residual = hidden
-        hidden = self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta, backend)
-        hidden = residual + hidden
-        residual = hidden
-        hidden = self.mlp(self.post_attention_layernorm(hidden))
-        return residual + hidden
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RopeStep
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the block; returns ``(mlp output, residual)`` whose sum is the block's output."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.add(hidden, residual)
+        hidden = self.self_attn(hidden, rope)
+        hidden, residual = self.post_attention_layernorm.add(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -150,13 +142,23 @@ class LlamaModel(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        rotary = RotaryEmbedding(config, _head_dim(config), config.max_position_embeddings)
+        self.rotary = RotaryEmbedding(config, _head_dim(config), config.max_position_embeddings)
         windows = layer_sliding_windows(config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, rotary, windows[i])
-            for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, windows[i]) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Final hidden states of the step's flattened tokens."""
+        hidden = self.embed_tokens(input_ids)
+        rope: RopeStep = (positions, self.rotary.tables(hidden), [])  # shared by the layers
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, rope)
+        if residual is None:
+            return self.norm(hidden)
+        return self.norm.add(hidden, residual)[0]
 
 
 class LlamaForCausalLM(CausalLM):
@@ -203,27 +205,9 @@ class LlamaForCausalLM(CausalLM):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Run every layer over the step's flattened tokens; return final hidden states."""
-        hidden = self.model.embed_tokens(input_ids)
-        metas: dict[int | None, AttentionMetadata] = {meta.sliding_window: meta}
-        for layer in self.model.layers:
-            window = layer.self_attn.sliding_window
-            layer_meta = metas.get(window)
-            if layer_meta is None:
-                # Qwen2-style models mix windowed and full layers; the runner's metadata
-                # carries one window, so each layer sees its own without a rebuild.
-                layer_meta = dataclasses.replace(meta, sliding_window=window)
-                metas[window] = layer_meta
-            hidden = layer(positions, hidden, kv_cache, layer_meta, backend)
-        return self.model.norm(hidden)
+        return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Project hidden states ``[n, hidden]`` to fp32 logits ``[n, vocab_size]``."""

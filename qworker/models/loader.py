@@ -86,6 +86,7 @@ def load_model(
     *,
     cache_dir: Path | None = None,
     s3_endpoint_url: str | None = None,
+    load_format: str = "auto",
 ) -> LoadedModel:
     """Load the model at ``path`` with weights in ``dtype`` on ``device``.
 
@@ -93,9 +94,16 @@ def load_model(
     a directory holding one ``*.gguf`` or a ``.gguf`` file, ``s3://bucket/prefix``,
     or a hub id. Raises ``ModelLoadError`` (a ValueError) for an unknown architecture
     (listing the supported ones), a missing config or missing/pickled weights.
+    ``load_format="dummy"`` reads only config.json and fills every weight with seeded
+    random values on ``device`` (benchmarks of a model's shape; nothing is read or
+    written besides the config).
     """
     device = torch.device(device)
     local = resolve_source(path, cache_dir, s3_endpoint_url)
+    if load_format == "dummy":
+        return _dummy(local, dtype, device)
+    if load_format != "auto":
+        raise ModelLoadError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     gguf = _find_gguf(local)
     if gguf is not None:
         from qworker.models.gguf import load_gguf_config, load_gguf_tensors
@@ -140,6 +148,28 @@ def load_model(
     return LoadedModel(
         model=model, spec=model.spec, source=source, config=config, gguf_file=gguf_name
     )
+
+
+def _dummy(local: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    """The model of ``local/config.json`` with random weights made on ``device``."""
+    from transformers import AutoConfig
+
+    raw = _read_json(local / "config.json", what="config.json")
+    architecture = resolve_architecture(raw)
+    config = AutoConfig.from_pretrained(str(local), trust_remote_code=False)
+    model = _build(architecture, config, dtype, device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or param.dim() == 1:
+                param.fill_(1.0 if name.endswith("weight") else 0.0)
+            else:
+                param.normal_(0.0, 0.02, generator=gen)
+    model.eval()
+    model.spec.eos_token_ids = _as_id_list(getattr(config, "eos_token_id", None))
+    logger.info("built %s from %s with random weights (%s, %s)", architecture, local, dtype,
+                device)
+    return LoadedModel(model=model, spec=model.spec, source=local, config=config)
 
 
 def _build(architecture: str, config: Any, dtype: torch.dtype, device: torch.device) -> CausalLM:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qworker.attention.backend import AttentionBackend, AttentionMetadata, KVCache
+from qworker.attention.paged_attention import PagedAttention
 from qworker.models.base import CausalLM, ModelSpec
 from qworker.models.layers import FusedLinear, activation
 from qworker.models.weights import StackedRule, check_all_loaded, load_weights
@@ -28,7 +28,6 @@ class OPTAttention(nn.Module):
 
     def __init__(self, config: Any, layer_idx: int) -> None:
         super().__init__()
-        self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
         self.head_dim = config.hidden_size // self.num_heads
         self.scaling = self.head_dim**-0.5
@@ -36,26 +35,14 @@ class OPTAttention(nn.Module):
         bias = bool(getattr(config, "enable_bias", True))
         self.qkv_proj = FusedLinear(dim, {"q": dim, "k": dim, "v": dim}, bias=bias)
         self.out_proj = nn.Linear(dim, dim, bias=bias)
+        # Scale 1: queries are scaled before the dot product (not inside it), matching
+        # OPT's rounding.
+        self.attn = PagedAttention(self.num_heads, self.num_heads, self.head_dim, 1.0, layer_idx)
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:
-        """Project, write this step's K/V into the pool, attend, project out."""
-        num_tokens = hidden.shape[0]
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Project, attend over the pages (cache write included), project out."""
         q, k, v = self.qkv_proj(hidden).chunk(3, dim=-1)
-        # Scale before the dot product (not inside it) to match OPT's rounding.
-        q = (q * self.scaling).view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_heads, self.head_dim)
-        key_cache = kv_cache.key[self.layer_idx]
-        value_cache = kv_cache.value[self.layer_idx]
-        backend.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
-        out = backend.forward(q, key_cache, value_cache, meta, 1.0)
-        return self.out_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        return self.out_proj(self.attn(q * self.scaling, k, v))
 
 
 class OPTDecoderLayer(nn.Module):
@@ -74,18 +61,12 @@ class OPTDecoderLayer(nn.Module):
         self.final_layer_norm = nn.LayerNorm(dim, elementwise_affine=affine)
         self.act = activation(getattr(config, "activation_function", "relu"))
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Run the block over the step's tokens."""
         residual = hidden
         if self.do_layer_norm_before:
             hidden = self.self_attn_layer_norm(hidden)
-        hidden = residual + self.self_attn(hidden, kv_cache, meta, backend)
+        hidden = residual + self.self_attn(hidden)
         if not self.do_layer_norm_before:
             hidden = self.self_attn_layer_norm(hidden)
         residual = hidden
@@ -164,14 +145,7 @@ class OPTForCausalLM(CausalLM):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.decoder.embed_tokens.weight
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Run every layer over the step's flattened tokens; return final hidden states."""
         decoder = self.model.decoder
         hidden = decoder.embed_tokens(input_ids)
@@ -179,7 +153,7 @@ class OPTForCausalLM(CausalLM):
             hidden = decoder.project_in(hidden)
         hidden = hidden + decoder.embed_positions(positions + POSITION_OFFSET)
         for layer in decoder.layers:
-            hidden = layer(hidden, kv_cache, meta, backend)
+            hidden = layer(hidden)
         if decoder.final_layer_norm is not None:
             hidden = decoder.final_layer_norm(hidden)
         if decoder.project_out is not None:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from qworker.errors import ModelLoadError
+from qworker.models.ops import apply_rope
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -74,7 +75,7 @@ def compute_inv_freq(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to query and key rows ``[num_tokens, heads, head_dim]`` in place of copies.
+    """RoPE tables for query and key rows ``[num_tokens, heads, head_dim]``.
 
     The cos/sin table covers ``max_positions`` and is computed once on the CPU in fp32,
     then moved to the activations' device and dtype on first use (it is deliberately
@@ -96,24 +97,24 @@ class RotaryEmbedding(nn.Module):
         self._cos = self._cos_cpu
         self._sin = self._sin_cpu
 
-    def _tables(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos/sin tables ``[max_positions, rotary_dim / 2]`` in ``like``'s dtype and
+        device (moved there once)."""
         if self._cos.device != like.device or self._cos.dtype != like.dtype:
             self._cos = self._cos_cpu.to(device=like.device, dtype=like.dtype)
             self._sin = self._sin_cpu.to(device=like.device, dtype=like.dtype)
         return self._cos, self._sin
 
+    def cos_sin(self, positions: torch.Tensor, like: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[num_tokens, 1, rotary_dim / 2]`` of ``positions`` in ``like``'s
+        dtype and device: gathered once per step and shared by every layer."""
+        cos_t, sin_t = self.tables(like)
+        return cos_t[positions].unsqueeze(1), sin_t[positions].unsqueeze(1)
+
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``query`` and ``key`` by their tokens' ``positions`` (int64 ``[num_tokens]``)."""
-        cos_t, sin_t = self._tables(query)
-        cos = cos_t[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = sin_t[positions].unsqueeze(1)
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    x1 = x[..., :half]
-    x2 = x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        cos, sin = self.cos_sin(positions, query)
+        return apply_rope(query, cos, sin), apply_rope(key, cos, sin)

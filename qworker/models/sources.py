@@ -4,6 +4,13 @@ Accepted forms: a local directory or ``.gguf`` file, ``s3://bucket/prefix`` (cop
 once into a local cache), or a Hugging Face hub id (``org/name``, taken from the local
 hub cache first, downloaded otherwise). boto3 and huggingface_hub are imported only in
 their branch: the GPU machine has neither need nor, for boto3, the package.
+
+The cache directory (docs/configuration.md, ``model_cache``): the one given, else
+``$XDG_CACHE_HOME/qworker/models``, ``$HF_HOME/qworker/models`` or
+``~/.cache/qworker/models``; when that default cannot be created (a read-only root
+filesystem or home) the system temp dir is used instead. A given directory that
+cannot be written is a ``ModelLoadError``. Every key copied from S3 lands inside the
+cache: keys whose path would leave it (``prefix//etc/x``, ``../``) are refused.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import tempfile
 from pathlib import Path
 
 from qworker.errors import ModelLoadError
@@ -23,8 +31,66 @@ _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*
 
 
 def default_cache_dir() -> Path:
-    """Where remote models are copied: ``~/.cache/qworker/models``."""
+    """``$XDG_CACHE_HOME`` / ``$HF_HOME`` / ``~/.cache``, then ``qworker/models``."""
+    for var in ("XDG_CACHE_HOME", "HF_HOME"):
+        value = os.environ.get(var)
+        if value:
+            return Path(value) / "qworker" / "models"
     return Path.home() / ".cache" / "qworker" / "models"
+
+
+def usable_cache_dir(cache_dir: Path | str | None = None) -> Path:
+    """The cache directory, created; see the module docstring for the fallbacks.
+
+    Raises ``ModelLoadError`` (one line naming the directory) when it cannot be made.
+    """
+    if cache_dir is not None:
+        path = Path(cache_dir).expanduser()
+        problem = _make_writable(path)
+        if problem is not None:
+            raise ModelLoadError(
+                f"model cache {path} is not usable ({problem}); set model_cache "
+                "(QWORKER_MODEL_CACHE) to a writable directory"
+            )
+        return path
+    first = default_cache_dir()
+    problem = _make_writable(first)
+    if problem is None:
+        return first
+    fallback = Path(tempfile.gettempdir()) / f"qworker-{os.getuid()}" / "models"
+    again = _make_writable(fallback)
+    if again is not None:
+        raise ModelLoadError(
+            f"no writable model cache: {first} ({problem}), {fallback} ({again}); set "
+            "model_cache (QWORKER_MODEL_CACHE) to a writable directory"
+        )
+    logger.warning("model cache %s is not usable (%s): using %s", first, problem, fallback)
+    return fallback
+
+
+def _make_writable(path: Path) -> str | None:
+    """Create ``path`` and check it takes files; the reason when it does not, else None."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".qworker-write-test-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    return None
+
+
+def confined_path(root: Path, relative: str) -> Path | None:
+    """``root / relative`` if that stays inside ``root`` (no absolute, empty or ``..`` part)."""
+    parts = relative.split("/")
+    if not relative or any(p in ("", ".", "..") for p in parts) or "\\" in relative:
+        return None
+    dest = root.joinpath(*parts)
+    try:
+        dest.resolve().relative_to(root.resolve())
+    except ValueError:
+        return None
+    return dest
 
 
 def resolve_source(
@@ -39,7 +105,7 @@ def resolve_source(
     """
     text = os.fspath(model)
     if text.startswith("s3://"):
-        return _download_s3(text, cache_dir or default_cache_dir(), s3_endpoint_url)
+        return _download_s3(text, usable_cache_dir(cache_dir), s3_endpoint_url)
     path = Path(text).expanduser()
     if path.exists():
         return path
@@ -58,7 +124,10 @@ def _download_s3(uri: str, cache_dir: Path, endpoint_url: str | None) -> Path:
         import boto3
     except ImportError as exc:  # pragma: no cover - only on machines without boto3
         raise ModelLoadError("loading a model from s3:// needs the boto3 package") from exc
-    client = boto3.client("s3", endpoint_url=endpoint_url)
+    try:
+        client = boto3.client("s3", endpoint_url=endpoint_url)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot reach S3 for {uri}: {exc}") from exc
     listing_prefix = f"{prefix}/" if prefix else ""
     keys: list[tuple[str, int]] = []
     try:
@@ -73,22 +142,27 @@ def _download_s3(uri: str, cache_dir: Path, endpoint_url: str | None) -> Path:
         raise ModelLoadError(f"no objects under {uri}")
     names = [k[len(listing_prefix) :] for k, _ in keys]
     has_safe = any(n.endswith((".safetensors", ".gguf")) for n in names)
-    target = cache_dir / bucket / (prefix or "_root")
+    target = confined_path(cache_dir, f"{bucket}/{prefix or '_root'}")
+    if target is None:
+        raise ModelLoadError(f"model URI {uri!r} does not map to a cache directory")
     for (key, size), rel in zip(keys, names, strict=True):
-        if not rel or rel.endswith("/") or ".." in Path(rel).parts:
+        if not rel or rel.endswith("/"):
+            continue
+        dest = confined_path(target, rel)
+        if dest is None:
+            logger.warning("skipping s3://%s/%s: its path would leave the model cache", bucket, key)
             continue
         if has_safe and rel.endswith(PICKLE_SUFFIXES):
             continue  # never needed: pickles are not loaded
-        dest = target / rel
         if dest.exists() and dest.stat().st_size == size:
             continue
-        dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(dest.name + ".part")
         try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
             client.download_file(bucket, key, str(tmp))
+            tmp.replace(dest)
         except Exception as exc:
-            raise ModelLoadError(f"cannot download s3://{bucket}/{key}: {exc}") from exc
-        tmp.replace(dest)
+            raise ModelLoadError(f"cannot download s3://{bucket}/{key} to {dest}: {exc}") from exc
     logger.info("model %s cached in %s", uri, target)
     return target
 

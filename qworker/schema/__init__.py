@@ -7,6 +7,7 @@ the object key of a result (``result_key``). The names are re-exported here so c
 import them from ``qworker.schema``.
 """
 
+from qworker.schema.fingerprint import request_fingerprint
 from qworker.schema.jobs import (
     CHAT_URL,
     COMPLETIONS_URL,
@@ -66,6 +67,7 @@ __all__ = [
     "new_request_id",
     "param_of",
     "parse_job",
+    "request_fingerprint",
     "result_key",
     "safe_segment",
     "success_record",

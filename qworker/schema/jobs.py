@@ -1,4 +1,4 @@
-"""Job messages in: parse and validate one raw message into a ``Job`` (DESIGN.md formats).
+"""Job messages in: parse and validate one raw message into a ``Job`` (docs/formats.md, "Jobs").
 
 ``parse_job`` turns one raw message into a ``ParsedJob``: a valid ``Job``, an
 ``invalid_request`` error to record under the job's custom_id, or a dead-letter
@@ -18,12 +18,19 @@ import orjson
 
 from qworker.engine.sampling_params import SamplingParams
 from qworker.errors import InvalidRequestError, QworkerError
+from qworker.schema.fingerprint import request_fingerprint
 from qworker.schema.structured import structured_outputs
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 MAX_N = 128
 MAX_METADATA_DEPTH = 32
+# Caps that keep one request from costing the worker out of proportion (docs/formats.md):
+MAX_CUSTOM_ID_BYTES = 4096
+MAX_STOP_STRINGS = 16  # every stop string is checked against every generated token
+MAX_STOP_CHARS = 256
+#: n x max_tokens x (top_logprobs + 1): ~80 bytes each in the result line (~8 MB here).
+MAX_LOGPROB_ENTRIES = 100_000
 _ROLES = {"system", "developer", "user", "assistant"}
 
 # Body fields that change the meaning of a request and that qworker cannot honour:
@@ -80,7 +87,8 @@ class ParsedJob:
     """The outcome of ``parse_job``: exactly one of ``job``, ``error``, ``dead_letter``.
 
     ``custom_id`` / ``batch_id`` are set whenever they could be read, so an ``error``
-    can be recorded under the right key.
+    can be recorded under the right key; so is ``fingerprint``, the request's
+    ``request_fingerprint`` (stored with its result).
     """
 
     job: Job | None = None
@@ -88,6 +96,7 @@ class ParsedJob:
     dead_letter: str | None = None
     custom_id: str | None = None
     batch_id: str | None = None
+    fingerprint: str | None = None
 
 
 def parse_job(body: bytes, max_job_bytes: int = 1 << 20) -> ParsedJob:
@@ -109,11 +118,19 @@ def parse_job(body: bytes, max_job_bytes: int = 1 << 20) -> ParsedJob:
         )
     batch_id = data.get("batch_id")
     parsed = ParsedJob(
-        custom_id=custom_id, batch_id=batch_id if isinstance(batch_id, str) else None
+        custom_id=custom_id,
+        batch_id=batch_id if isinstance(batch_id, str) else None,
+        fingerprint=request_fingerprint(data.get("url"), data.get("body")),
     )
     if len(body) > max_job_bytes:
         parsed.error = InvalidRequestError(
             f"job is {len(body)} bytes, over the limit of {max_job_bytes} bytes (max_job_bytes)"
+        )
+        return parsed
+    id_bytes = len(custom_id.encode("utf-8", "surrogatepass"))
+    if id_bytes > MAX_CUSTOM_ID_BYTES:
+        parsed.error = InvalidRequestError(
+            f"custom_id is {id_bytes} bytes, over the limit of {MAX_CUSTOM_ID_BYTES} bytes"
         )
         return parsed
     try:
@@ -258,6 +275,7 @@ def _sampling(body: dict[str, Any], kind: JobKind) -> tuple[SamplingParams, bool
         value = body.get(name)
         if value is not None:
             fields[name] = value
+    _check_stop(fields.get("stop"))
     fields["structured_outputs"] = structured_outputs(body)
     for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty"):
@@ -276,7 +294,38 @@ def _sampling(body: dict[str, Any], kind: JobKind) -> tuple[SamplingParams, bool
         raise InvalidRequestError(f"body.{exc}") from None
     if params.temperature > 2.0:
         raise InvalidRequestError(f"body.temperature must be <= 2, got {params.temperature!r}")
+    if want and params.max_tokens is not None:
+        too_many = logprob_volume_error(params.n, params.max_tokens, top)
+        if too_many is not None:
+            raise too_many
     return params, want, top
+
+
+def _check_stop(value: Any) -> None:
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list):
+        return  # SamplingParams names the type error
+    if len(items) > MAX_STOP_STRINGS:
+        raise InvalidRequestError(
+            f"body.stop has {len(items)} strings; at most {MAX_STOP_STRINGS} are allowed"
+        )
+    for i, item in enumerate(items):
+        if isinstance(item, str) and len(item) > MAX_STOP_CHARS:
+            raise InvalidRequestError(
+                f"body.stop[{i}] is {len(item)} characters; at most {MAX_STOP_CHARS} are allowed"
+            )
+
+
+def logprob_volume_error(n: int, max_tokens: int, top_logprobs: int) -> InvalidRequestError | None:
+    """The error of a request whose logprobs would exceed ``MAX_LOGPROB_ENTRIES``, or None."""
+    entries = n * max_tokens * (top_logprobs + 1)
+    if entries <= MAX_LOGPROB_ENTRIES:
+        return None
+    return InvalidRequestError(
+        f"body.top_logprobs: the request would return {entries} log-probabilities "
+        f"(n x max_tokens x (top_logprobs + 1)), over the limit of {MAX_LOGPROB_ENTRIES}; "
+        "lower max_tokens, n or top_logprobs"
+    )
 
 
 def _logprobs(body: dict[str, Any], kind: JobKind) -> tuple[bool, int]:

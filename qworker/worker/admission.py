@@ -107,20 +107,34 @@ class Admission:
     def peak_blocks(jobs: list[Growth], step: int, block_size: int) -> int:
         """Most blocks the jobs' sequences will hold at once from ``step`` on.
 
-        Evaluated just before each sequence ends (demand only grows in between), with
-        each sequence's own block rounding: one vectorized pass over alive x moments.
+        Demand only grows between two sequence ends, so it peaks just before one ends:
+        with the jobs sorted by remaining tokens (longest first), just before job k's
+        sequences end, jobs 0..k are alive and each holds ``ceil((cur + m_k) / bs)``
+        blocks per sequence, ``m_k`` being job k's remaining tokens less one. Splitting
+        ``ceil((cur + m) / bs)`` into ``floor(a/bs) + floor(m/bs) + [a%bs + m%bs >= bs]``
+        (``a = cur + bs - 1``) turns every moment's sum into prefix sums plus a prefix
+        count of residues above a threshold: O(n log n) for the sort, O(n * bs) after.
         """
-        seqs = [job.at(step) for job in jobs for _ in range(job.n)]
-        if not seqs:
+        if not jobs:
             return 0
-        cur, rem = np.array(seqs, dtype=np.int64).T
+        cur, rem, weight = np.array(
+            [(*job.at(step), job.n) for job in jobs], dtype=np.int64
+        ).T
         order = np.argsort(-rem, kind="stable")
-        cur, rem = cur[order], rem[order]
-        moments = np.maximum(rem - 1, 0)  # moment k: sequences 0..k are alive
-        tokens = cur[None, :] + moments[:, None]
-        blocks = -(-tokens // block_size)  # ceil
-        alive = np.tri(len(seqs), dtype=bool)
-        return int((blocks * alive).sum(axis=1).max())
+        cur, rem, weight = cur[order], rem[order], weight[order]
+        bs = block_size
+        moment = np.maximum(rem - 1, 0)
+        a = cur + bs - 1
+        base = np.cumsum(weight * (a // bs))
+        alive = np.cumsum(weight)
+        residues = np.zeros((len(jobs), bs), dtype=np.int64)
+        residues[np.arange(len(jobs)), a % bs] = weight
+        at_least = np.cumsum(np.cumsum(residues, axis=0)[:, ::-1], axis=1)[:, ::-1]
+        threshold = bs - moment % bs  # a residue at or above it rounds up one more block
+        carry = np.where(
+            threshold < bs, at_least[np.arange(len(jobs)), np.minimum(threshold, bs - 1)], 0
+        )
+        return int((base + alive * (moment // bs) + carry).max())
 
     def fits(
         self,

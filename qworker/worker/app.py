@@ -10,8 +10,11 @@ import asyncio
 import logging
 
 from qworker.config import WorkerSettings
+from qworker.errors import ModelLoadError
 from qworker.worker.drain import DrainControl
 from qworker.worker.engine_thread import EngineLike
+from qworker.worker.exit_codes import ExitCode
+from qworker.worker.failures import StartupError
 from qworker.worker.metrics import WorkerMetrics
 from qworker.worker.sinks import open_sink, sink_prefix
 from qworker.worker.sources import open_source
@@ -37,11 +40,14 @@ async def serve(settings: WorkerSettings) -> tuple[int, RunSummary]:
 
     ``/healthz`` answers from the start, ``/readyz`` only once the model is loaded
     and until the drain begins. A signal during model loading stops after the load.
+    A configuration problem found at start (a missing queue, topic, bucket or model)
+    is logged as one line and returned as exit 1 (docs/operations.md).
     """
     loop = asyncio.get_running_loop()
     drain = DrainControl()
     drain.install(loop)
-    metrics = WorkerMetrics()
+    metrics = WorkerMetrics(settings.metrics_max_batches)
+    summary = RunSummary()
     try:
         try:
             port = metrics.serve(settings.metrics_port)
@@ -50,10 +56,20 @@ async def serve(settings: WorkerSettings) -> tuple[int, RunSummary]:
             log.warning(
                 "metrics port %d unavailable (%s): serving no metrics", settings.metrics_port, exc
             )
-        source = open_source(settings.source, settings)
-        sink = open_sink(settings.sink, settings)
+        try:
+            source = open_source(settings.source, settings)
+            sink = open_sink(settings.sink, settings)
+            await sink.check()
+        except (StartupError, ValueError, OSError) as exc:
+            log.error("cannot start: %s", _one_line(exc))
+            return ExitCode.CONFIG, summary
         log.info("loading model %s", settings.model)
-        engine = await asyncio.to_thread(build_engine, settings)
+        try:
+            engine = await asyncio.to_thread(build_engine, settings)
+        except Exception as exc:  # any load failure is one line, never a traceback
+            what = "" if isinstance(exc, ModelLoadError | ValueError) else f"{type(exc).__name__}: "
+            log.error("cannot load model %s: %s%s", settings.model, what, _one_line(exc))
+            return ExitCode.CONFIG, summary
         stats = engine.stats()
         log.info(
             "engine ready: model %s, %d KV blocks of %d tokens, max_model_len %d",
@@ -65,10 +81,19 @@ async def serve(settings: WorkerSettings) -> tuple[int, RunSummary]:
         worker = Worker(settings, engine, source, sink, sink_prefix(settings.sink), metrics, drain)
         if drain.draining.is_set():
             log.warning("stop requested while loading: exiting before serving")
-            return 0, worker.summary
+            return ExitCode.DRAINED, worker.summary
         log.info("serving jobs from %s into %s", settings.source, settings.sink)
-        summary = await worker.run()
+        try:
+            summary = await worker.run()
+        except StartupError as exc:
+            log.error("cannot start: %s", _one_line(exc))
+            return ExitCode.CONFIG, worker.summary
         return worker.exit_code, summary
     finally:
         drain.uninstall(loop)
         metrics.close()
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 500 else text[:497] + "..."

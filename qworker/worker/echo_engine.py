@@ -5,11 +5,17 @@ in every step; ``steps`` is how many steps a request takes, default 1;
 ``max_model_len`` and ``num_kv_blocks`` size the imaginary pool). Tokens are UTF-8
 bytes; a request's completion echoes its prompt tokens (at most ``max_tokens``), so
 ``text`` is the prompt text. KV accounting imitates a paged pool of 16-token blocks.
+
+Faults for the fault campaign (``scripts/chaos.py``): ``fail_rate`` makes a step with
+work raise with that probability (``seed`` seeds it), ``poison=MARK`` makes every step
+raise while a request whose prompt contains ``MARK`` is in the batch (a request that
+breaks the device), ``hang_after=N`` makes the N-th step with work never return.
 """
 
 from __future__ import annotations
 
 import math
+import random
 import threading
 import time
 from dataclasses import dataclass
@@ -50,8 +56,17 @@ class EchoEngine:
         steps: int = 1,
         max_model_len: int = 4096,
         num_kv_blocks: int = 4096,
+        fail_rate: float = 0.0,
+        poison: str = "",
+        hang_after: int = 0,
+        seed: int | None = None,
     ) -> None:
         self.delay_s = delay_ms / 1000.0
+        self.fail_rate = fail_rate
+        self.poison = poison.encode("utf-8")
+        self.hang_after = hang_after
+        self._rng = random.Random(seed)
+        self._work_steps = 0
         self.steps = max(1, steps)
         self.max_model_len = max_model_len
         self.num_kv_blocks = num_kv_blocks
@@ -72,6 +87,10 @@ class EchoEngine:
             steps=int(opts.get("steps", 1)),
             max_model_len=int(opts.get("max_model_len", 4096)),
             num_kv_blocks=int(opts.get("num_kv_blocks", 4096)),
+            fail_rate=float(opts.get("fail_rate", 0)),
+            poison=opts.get("poison", ""),
+            hang_after=int(opts.get("hang_after", 0)),
+            seed=int(opts["seed"]) if "seed" in opts else None,
         )
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
@@ -79,14 +98,11 @@ class EchoEngine:
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
         return list(text.encode("utf-8"))
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
-        arrival_time: float | None = None,
-    ) -> None:
-        """Validate like the engine (empty, too long, duplicate id) and queue the request."""
+    def validate_prompt(
+        self, prompt: str | list[int], params: SamplingParams
+    ) -> tuple[str | None, list[int]]:
+        """Like the engine's: ``(text or None, token ids)``; raises on empty or too long."""
+        params.validate()
         if isinstance(prompt, str):
             token_ids, text = list(prompt.encode("utf-8")), prompt
         else:
@@ -97,10 +113,32 @@ class EchoEngine:
             raise ContextLengthExceededError(
                 f"prompt is {len(token_ids)} tokens; max_model_len is {self.max_model_len}"
             )
+        return text, token_ids
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validate like the engine (empty, too long, duplicate id) and queue the request."""
+        text, token_ids = self.validate_prompt(prompt, params)
+        self.add_validated(request_id, text, token_ids, params, arrival_time)
+
+    def add_validated(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request whose prompt passed ``validate_prompt`` (duplicate ids refused)."""
         req = _EchoRequest(
             request_id,
-            text,
-            token_ids,
+            prompt,
+            list(prompt_token_ids),
             params,
             RequestMetrics(arrival_time=arrival_time or time.time()),
             self.steps,
@@ -125,19 +163,41 @@ class EchoEngine:
         with self._lock:
             return bool(self._inbox or self._running)
 
+    def _inject_faults(self, batch: list[_EchoRequest]) -> None:
+        live = [r for r in batch if not r.aborted]
+        if not live:
+            return
+        self._work_steps += 1
+        if self.hang_after and self._work_steps >= self.hang_after:
+            threading.Event().wait()  # a step that never returns (a hung device)
+        if self.poison and any(self.poison in bytes(t % 256 for t in r.token_ids)
+                               for r in live):
+            raise RuntimeError("echo: a poisoned request breaks every step it is in")
+        if self.fail_rate and self._rng.random() < self.fail_rate:
+            raise RuntimeError("echo: injected step failure")
+
     def step(self) -> list[RequestOutput]:
-        """Advance every request one step; return those that finished or were aborted."""
-        if self.delay_s:
-            time.sleep(self.delay_s)
+        """Advance every request one step; return those that finished or were aborted.
+
+        The batch is fixed when the step starts: requests added meanwhile wait for the
+        next step (as in the real engine, whose inbox is drained once per step).
+        """
         now = time.time()
-        finished: list[RequestOutput] = []
         with self._lock:
             for req in self._inbox:
                 self._running[req.request_id] = req
                 req.metrics.first_scheduled_time = now
                 self._prompt_tokens += len(req.token_ids)
             self._inbox.clear()
-            for rid, req in list(self._running.items()):
+            batch = list(self._running.values())
+        self._inject_faults(batch)
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        now = time.time()
+        finished: list[RequestOutput] = []
+        with self._lock:
+            for req in batch:
+                rid = req.request_id
                 req.steps_left -= 1
                 if req.metrics.first_token_time is None:
                     req.metrics.first_token_time = now

@@ -1,8 +1,10 @@
 """Runs the engine's step loop on a dedicated thread and hands results to asyncio.
 
 The event loop never waits on a model step: ``submit`` and ``abort`` only queue work
-(the engine's ``add_request`` / ``abort`` are thread-safe), and each step's finished
+(the engine's ``add_validated`` / ``abort`` are thread-safe), and each step's finished
 ``RequestOutput`` list is delivered back on the loop with ``call_soon_threadsafe``.
+``step_running_for`` and ``alive`` let the worker's watchdog see a hung step or a
+dead thread (docs/operations.md, exit 70).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import asyncio
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -28,10 +31,14 @@ class EngineLike(Protocol):
     model_name: str
     max_model_len: int
 
-    def add_request(
+    def validate_prompt(
+        self, prompt: str | list[int], params: SamplingParams
+    ) -> tuple[str | None, list[int]]: ...
+    def add_validated(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt: str | None,
+        prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
     ) -> None: ...
@@ -46,9 +53,10 @@ class EngineThread:
     """Owns the thread that calls ``engine.step()``.
 
     ``on_outputs(list[RequestOutput])`` runs on ``loop`` after every step that
-    finished something; ``on_step_error(exc)`` runs on ``loop`` when a step raised
-    (the thread keeps going). ``pending_blocks`` counts prompt blocks submitted that
-    the engine's ``stats()`` may not show yet, for admission.
+    finished something; ``on_step_error(exc)`` runs on ``loop`` when a step raised:
+    the thread then waits, without stepping the same broken batch again, until the
+    handler has dealt with it and called ``resume``. ``pending_blocks`` counts prompt
+    blocks submitted that the engine's ``stats()`` may not show yet, for admission.
     """
 
     def __init__(
@@ -66,11 +74,14 @@ class EngineThread:
         self._block_size = block_size
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._resumed = threading.Event()
+        self._resumed.set()
         self._lock = threading.Lock()
         self._inbox_blocks = 0  # submitted since the current step began
         self._stepping_blocks = 0  # submitted before the current step began
         self.steps = 0
-        self._thread = threading.Thread(target=self._run, name="qworker-engine", daemon=True)
+        self._step_started: float | None = None
+        self._thread = threading.Thread(target=self._guarded, name="qworker-engine", daemon=True)
 
     def start(self) -> None:
         """Start the step loop."""
@@ -79,20 +90,15 @@ class EngineThread:
     def submit(
         self,
         request_id: str,
-        prompt: str | list[int],
+        text: str | None,
+        token_ids: list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
-        n_tokens: int | None = None,
     ) -> None:
-        """Add a request; raises the engine's validation errors synchronously.
-
-        ``n_tokens`` (the prompt length, estimated for text) feeds ``pending_blocks``.
-        """
-        self.engine.add_request(request_id, prompt, params, arrival_time)
-        if n_tokens is None:
-            n_tokens = len(prompt) if isinstance(prompt, list) else len(prompt.encode())
+        """Add a request whose prompt the engine already validated (``validate_prompt``)."""
+        self.engine.add_validated(request_id, text, token_ids, params, arrival_time)
         with self._lock:
-            self._inbox_blocks += math.ceil(n_tokens / self._block_size)
+            self._inbox_blocks += math.ceil(len(token_ids) / self._block_size)
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
@@ -106,27 +112,58 @@ class EngineThread:
         with self._lock:
             return self._inbox_blocks + self._stepping_blocks
 
+    def resume(self) -> None:
+        """Let the thread step again after a failed step (called by ``on_step_error``)."""
+        self._resumed.set()
+        self._wake.set()
+
+    @property
+    def alive(self) -> bool:
+        """True while the step thread runs (it only ends through ``stop``)."""
+        return self._thread.is_alive()
+
+    def step_running_for(self, now: float | None = None) -> float:
+        """Seconds the current step has been running (0.0 between steps)."""
+        started = self._step_started
+        if started is None:
+            return 0.0
+        return (time.monotonic() if now is None else now) - started
+
     def stop(self, timeout: float = 10.0) -> None:
         """Stop stepping and join the thread (the current step completes first)."""
         self._stop.set()
+        self._resumed.set()
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
 
+    def _guarded(self) -> None:
+        try:
+            self._run()
+        except BaseException:  # the worker's watchdog sees the dead thread: exit 70
+            log.critical("the engine thread died", exc_info=True)
+
     def _run(self) -> None:
         while not self._stop.is_set():
+            if not self._resumed.is_set():
+                self._resumed.wait(0.05)
+                continue
             if not self.engine.has_unfinished():
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
             with self._lock:
                 self._stepping_blocks, self._inbox_blocks = self._inbox_blocks, 0
+            self._step_started = time.monotonic()
             try:
                 outputs = self.engine.step()
-            except BaseException as exc:  # reported to the worker, thread lives on
+            except Exception as exc:  # reported to the worker, thread lives on
                 log.exception("engine step failed")
+                self._resumed.clear()
                 self._call(self._on_step_error, exc)
                 outputs = []
+            finally:
+                self._step_started = None
             with self._lock:
                 self._stepping_blocks = 0
             self.steps += 1
@@ -138,3 +175,19 @@ class EngineThread:
             self._loop.call_soon_threadsafe(fn, arg)
         except RuntimeError:
             log.warning("event loop closed; dropping an engine callback")
+
+
+async def watchdog(thread: EngineThread, step_timeout: float,
+                   on_failure: Callable[[str], None], interval: float = 0.5) -> None:
+    """Call ``on_failure(why)`` once, and return, when ``thread`` died or one step has run
+    longer than ``step_timeout`` seconds (0 disables that check); docs/operations.md."""
+    while True:
+        await asyncio.sleep(interval)
+        if not thread.alive:
+            on_failure("the engine thread died")
+            return
+        running = thread.step_running_for()
+        if step_timeout and running > step_timeout:
+            on_failure(f"an engine step has run for {running:.0f}s "
+                       f"(engine_step_timeout {step_timeout:.0f}s)")
+            return

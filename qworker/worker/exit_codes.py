@@ -1,4 +1,4 @@
-"""The exit codes of ``qworker run`` (the table in docs/operations.md).
+"""The exit codes of ``qworker run`` (docs/formats.md, "Exit codes"; when: docs/operations.md).
 
 AWS Batch ``evaluateOnExit`` and Kubernetes restart policies key on them: only 0 and
 1 mean "do not retry".

@@ -19,18 +19,10 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from qworker.engine.outputs import RequestOutput
-from qworker.errors import BatchExpiredError, InvalidRequestError
-from qworker.schema import (
-    Job,
-    JobKind,
-    dumps,
-    error_record,
-    error_record_for,
-    is_error_record,
-    parse_job,
-    success_record,
-)
+from qworker.errors import InvalidRequestError
+from qworker.schema import Job, dumps, error_record_for, is_error_record, parse_job
 from qworker.worker.engine_thread import EngineLike
+from qworker.worker.requests import Prepared, prepare, record_for, token_decoder
 
 _PROGRESS_EVERY_S = 2.0
 
@@ -39,6 +31,7 @@ _PROGRESS_EVERY_S = 2.0
 class _Slot:
     job: Job | None
     record: dict[str, Any] | None = None
+    expired: bool = False  # aborted here because its deadline passed
 
 
 @dataclass(slots=True)
@@ -98,10 +91,7 @@ def generate_file(
     bar = _bar(progress, total)
     slots: deque[_Slot] = deque()
     by_request: dict[str, _Slot] = {}
-    tokenizer = getattr(engine, "tokenizer", None)
-    decode: Callable[[int], str] | None = (
-        (lambda tid: tokenizer.decode([tid])) if tokenizer is not None else None
-    )
+    decode: Callable[[int], str] | None = token_decoder(engine)
     last_report = time.monotonic()
 
     def flush() -> None:
@@ -121,17 +111,8 @@ def generate_file(
             slot = by_request.pop(output.request_id, None)
             if slot is None or slot.job is None:
                 continue
-            job = slot.job
             stats.generation_tokens += sum(len(c.token_ids) for c in output.outputs)
-            if any(c.finish_reason == "abort" for c in output.outputs):
-                exc = BatchExpiredError("deadline passed while generating")
-                slot.record = error_record_for(job.custom_id, job.batch_id, exc, job.metadata)
-            elif output.error is not None:
-                slot.record = error_record(
-                    job.custom_id, job.batch_id, "engine_error", output.error, job.metadata
-                )
-            else:
-                slot.record = success_record(job, output, engine.model_name, decode)
+            slot.record = record_for(slot.job, output, engine.model_name, decode, slot.expired)
 
     lines = _read_lines(input_path)
     exhausted = False
@@ -187,24 +168,17 @@ def _read_lines(path: str) -> Iterator[tuple[int, bytes]]:
 def _admit(
     engine: EngineLike, line_no: int, body: bytes, max_job_bytes: int, by_request: dict[str, _Slot]
 ) -> _Slot:
-    parsed = parse_job(body, max_job_bytes)
-    if parsed.dead_letter is not None:
-        exc = InvalidRequestError(f"line {line_no}: {parsed.dead_letter}")
-        return _Slot(None, error_record_for(parsed.custom_id, parsed.batch_id, exc))
-    if parsed.job is None:
-        exc = parsed.error or InvalidRequestError("invalid job")
-        return _Slot(None, error_record_for(parsed.custom_id or "", parsed.batch_id, exc))
-    job = parsed.job
-    if job.deadline is not None and job.deadline <= time.time():
-        exc = BatchExpiredError(f"deadline {job.deadline:.0f} passed before the job started")
-        return _Slot(job, error_record_for(job.custom_id, job.batch_id, exc, job.metadata))
+    """The same path as ``qworker run`` (``requests.prepare``); a dead letter is an error line."""
+    outcome = prepare(engine, body, max_job_bytes)
+    if not isinstance(outcome, Prepared):
+        if outcome.dead_letter is not None:
+            exc = InvalidRequestError(f"line {line_no}: {outcome.dead_letter}")
+            return _Slot(None, error_record_for(outcome.custom_id, outcome.batch_id, exc))  # type: ignore[arg-type]
+        return _Slot(None, outcome.record)
+    job = outcome.job
     request_id = uuid.uuid4().hex
     try:
-        if job.kind is JobKind.CHAT:
-            prompt: str | list[int] = engine.encode_chat(job.messages or [])
-        else:
-            prompt = job.prompt or ""
-        engine.add_request(request_id, prompt, job.params)
+        engine.add_validated(request_id, outcome.text, outcome.token_ids, job.params)
     except Exception as exc:  # any rejection becomes the job's error line
         return _Slot(job, error_record_for(job.custom_id, job.batch_id, exc, job.metadata))
     slot = _Slot(job)
@@ -216,8 +190,9 @@ def _expire(engine: EngineLike, by_request: dict[str, _Slot]) -> None:
     now = time.time()
     for request_id, slot in by_request.items():
         job = slot.job
-        if job is not None and job.deadline is not None and job.deadline <= now:
-            job.deadline = None  # abort once
+        if job is not None and not slot.expired and job.deadline is not None \
+                and job.deadline <= now:
+            slot.expired = True  # abort once; the record says batch_expired
             engine.abort(request_id)
 
 

@@ -6,6 +6,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from qworker.engine.stats import EngineStats
+
 
 @dataclass(slots=True)
 class RunSummary:
@@ -16,6 +18,8 @@ class RunSummary:
     received: int = 0
     completed: Counter[str] = field(default_factory=Counter)
     duplicates: int = 0
+    conflicts: int = 0
+    step_failures: int = 0
     dead_lettered: int = 0
     abandoned: int = 0
     sink_failures: int = 0
@@ -42,6 +46,14 @@ class RunSummary:
             self.kv_saturated_sum += usage * dt
             self.kv_saturated_time += dt
 
+    def observe_engine(self, stats: EngineStats, dt: float, saturated: bool = False) -> None:
+        """Take one ``engine.stats()`` snapshot, ``dt`` seconds after the previous one."""
+        if stats.num_requests_running or stats.num_requests_waiting:
+            self.sample_kv(stats.kv_cache_usage_perc, dt, saturated=saturated)
+        self.prompt_tokens = stats.prompt_tokens
+        self.generation_tokens = stats.generation_tokens
+        self.num_preemptions = stats.num_preemptions
+
     @property
     def elapsed(self) -> float:
         """Seconds from start to finish (or now)."""
@@ -66,8 +78,9 @@ class RunSummary:
         statuses = ", ".join(f"{k}={v}" for k, v in sorted(self.completed.items())) or "none"
         return (
             f"jobs: received {self.received}, completed {done} ({statuses}), "
-            f"duplicates {self.duplicates}, dead-lettered {self.dead_lettered}, "
-            f"abandoned {self.abandoned}\n"
+            f"duplicates {self.duplicates}, conflicts {self.conflicts}, "
+            f"dead-lettered {self.dead_lettered}, abandoned {self.abandoned}, "
+            f"engine step failures {self.step_failures}\n"
             f"tokens: prompt {self.prompt_tokens}, generated {self.generation_tokens} "
             f"in {secs:.1f}s = {self.generation_tokens / secs:.1f} tok/s, "
             f"{done / secs:.2f} jobs/s\n"
@@ -81,6 +94,8 @@ class RunSummary:
             "received": self.received,
             "completed": dict(self.completed),
             "duplicates": self.duplicates,
+            "conflicts": self.conflicts,
+            "step_failures": self.step_failures,
             "dead_lettered": self.dead_lettered,
             "abandoned": self.abandoned,
             "elapsed_s": round(self.elapsed, 3),

@@ -1,10 +1,14 @@
 """One fault campaign: servers up, jobs in, workers under fire, then the books are checked.
 
-Faults are tied to progress, not the clock: each planned kill, drain and broker
-restart fires when the share of results in the sink passes a threshold drawn
-uniformly from [5 %, 85 %], so a fast or slow machine meets the same number of
-faults while work is in flight. S3 faults (5xx, resets, lost acks, latency) come
-from the proxy between the workers and moto for the whole run.
+Faults are tied to progress, not the clock: each planned kill, drain, broker
+restart, hang, idle restart and source outage fires when the share of results in the
+sink passes a threshold drawn uniformly from [5 %, 85 %], so a fast or slow machine
+meets the same number of faults while work is in flight. S3 faults (5xx, resets, lost
+acks, latency) come from the proxy between the workers and moto for the whole run;
+SQS outages from a second proxy in front of SQS. Engine faults come from the echo
+engine's fault options (random step failures, jobs that break every step, a step
+that never returns). Every worker's exit code is checked against the contract
+(docs/operations.md).
 """
 
 from __future__ import annotations
@@ -21,16 +25,17 @@ import tempfile
 import threading
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .checker import CheckResult, check_results, error_code, list_keys
 from .fleet import Fate, Fleet
-from .jobs import JobSet, make_jobs
+from .jobs import ENGINE_POISON, JobSet, make_jobs
 from .proxy import ChaosProxy
 from .report import Report
-from .servers import AWS_ENV, MotoServer, TansuBroker
+from .servers import AWS_ENV, MotoServer, TansuBroker, read_only_dir
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +72,16 @@ class CampaignConfig:
     sqs_visibility: int = 5
     sqs_max_receives: int = 6
     sqs_produce_chunk: int = 200         # produce SQS jobs in chunks paced by queue depth
+    engine_fail_rate: float = 0.0        # echo steps that fail at random (transient)
+    engine_poison: int = 0               # jobs that break every step they are in
+    hangs: int = 0                       # a worker restarted with an engine that hangs
+    engine_step_timeout: float = 5.0
+    idle_restarts: int = 0               # SIGKILL + at once a fresh worker, --until-idle 1
+    source_outages: int = 0              # SQS endpoint failing / Kafka broker down
+    source_outage_seconds: float = 8.0
+    dlq_missing_seconds: float = 0.0     # SQS: the workers' DLQ appears this long after start
+    conflicts: int = 0                   # second requests reusing a valid job's custom_id
+    read_only_home: bool = False         # HOME (and XDG/HF caches) on a read-only directory
     work_dir: Path | None = None
     moto_url: str | None = None          # reuse a running moto (tests' fixture)
     kafka_bootstrap: str | None = None   # reuse a running broker (no broker restarts then)
@@ -117,7 +132,12 @@ class Campaign:
         self.topic = f"chaos-jobs-{self.prefix}"
         self.group = f"chaos-{self.prefix}"
         self.jobs: JobSet = make_jobs(cfg.jobs, self.batch_id, self.rng, cfg.invalid_share,
-                                      cfg.poison)
+                                      cfg.poison, engine_poison=cfg.engine_poison,
+                                      conflicts=cfg.conflicts)
+        self.sqs_proxy: ChaosProxy | None = None
+        self._source_outage_ends: float | None = None
+        self._dlq_timer: threading.Timer | None = None
+        self.late_dlq_url = ""
         self.source_uri = ""
         self._trickle: threading.Thread | None = None
         self._trickle_error: Exception | None = None
@@ -143,6 +163,9 @@ class Campaign:
                                 latency=self.cfg.s3_latency, reset_rate=self.cfg.reset_rate,
                                 lost_ack_rate=self.cfg.lost_ack_rate, seed=self.cfg.seed)
         self.proxy.start()
+        if self.cfg.queue == "sqs":
+            self.sqs_proxy = ChaosProxy(moto_url, seed=self.cfg.seed + 1)  # faults on demand
+            self.sqs_proxy.start()
         return moto_url
 
     def _bootstrap(self) -> str:
@@ -167,6 +190,9 @@ class Campaign:
         try:
             for i, body in enumerate(self.jobs.poison):
                 await producer.send_and_wait(self.topic, body, key=f"poison-{i}".encode())
+            for line in self.jobs.conflict_lines:  # around `produce`, which refuses them
+                await producer.send_and_wait(self.topic, json.dumps(line).encode(),
+                                             key=line["custom_id"].encode())
         finally:
             await producer.stop()
 
@@ -185,6 +211,17 @@ class Campaign:
             # SQS bodies are text: poison is non-JSON text, not invalid UTF-8.
             sqs.send_message(QueueUrl=self.queue_url,
                              MessageBody=body.decode("utf-8", "replace"))
+        for line in self.jobs.conflict_lines:  # around `produce`, which refuses them
+            sqs.send_message(QueueUrl=self.queue_url, MessageBody=json.dumps(line),
+                             MessageAttributes={"custom_id": {
+                                 "DataType": "String", "StringValue": line["custom_id"]}})
+        if self.cfg.dlq_missing_seconds:
+            # The workers' DLQ does not exist yet: dead letters must be retried, not lost.
+            name = f"chaos-late-dlq-{self.prefix}"
+            self.late_dlq_url = self.queue_url.rsplit("/", 1)[0] + "/" + name
+            self._dlq_timer = threading.Timer(self.cfg.dlq_missing_seconds,
+                                              lambda: sqs.create_queue(QueueName=name))
+            self._dlq_timer.daemon = True
 
     def _produce(self, moto_url: str) -> None:
         if self.cfg.queue == "kafka":
@@ -209,8 +246,13 @@ class Campaign:
         JobSet(self.batch_id, lines).write(path)
         env = {"QWORKER_SQS_ENDPOINT_URL": self.cfg.moto_url or (self.moto.url if self.moto
                                                                   else "")}
+        results = ["--results", f"s3://{RESULTS_BUCKET}/{self.prefix}"]
+        if self.cfg.queue == "sqs":
+            results = ["--no-manifest"]  # produced in chunks: no one file holds the batch
+        env["QWORKER_S3_ENDPOINT_URL"] = self.cfg.moto_url or (self.moto.url if self.moto
+                                                                else "")
         _qworker(["produce", "-i", str(path), "--to", self.source_uri,
-                  "--batch-id", self.batch_id], env, self.dir / "produce.log")
+                  "--batch-id", self.batch_id, *results], env, self.dir / "produce.log")
 
     def _trickle_produce(self, chunks: list[list[dict]], moto_url: str) -> None:
         """Produce the remaining SQS chunks whenever the queue runs low.
@@ -243,19 +285,45 @@ class Campaign:
             "QWORKER_KAFKA_COMMIT_INTERVAL_SECONDS": "1",
             "QWORKER_MAX_INFLIGHT_JOBS": str(self.cfg.max_inflight_jobs),
             "QWORKER_LOG_FORMAT": "json",
+            "QWORKER_ENGINE_STEP_TIMEOUT": str(self.cfg.engine_step_timeout),
         }
         if self.cfg.queue == "sqs":
+            assert self.sqs_proxy is not None
+            env["QWORKER_SQS_ENDPOINT_URL"] = self.sqs_proxy.url
             env["QWORKER_SQS_VISIBILITY_TIMEOUT"] = str(self.cfg.sqs_visibility)
-            env["QWORKER_SQS_DLQ_URL"] = self.dlq_url
+            env["QWORKER_SQS_DLQ_URL"] = self.late_dlq_url or self.dlq_url
+        if self.cfg.read_only_home:
+            home = str(read_only_dir(self.dir))
+            env.update(HOME=home, XDG_CACHE_HOME=f"{home}/.cache", HF_HOME=f"{home}/.hf")
         return env
+
+    def _model(self, **extra: object) -> str:
+        cfg = self.cfg
+        if cfg.model:
+            return cfg.model
+        opts: dict[str, object] = {"delay_ms": cfg.delay_ms}
+        if cfg.engine_fail_rate:
+            opts.update(fail_rate=cfg.engine_fail_rate, seed=cfg.seed)
+        if cfg.engine_poison:
+            opts["poison"] = ENGINE_POISON
+        opts.update(extra)
+        return "echo://?" + "&".join(f"{k}={v}" for k, v in opts.items())
+
+    def _argv(self, model: str, until_idle: float) -> list[str]:
+        return ["run", "--source", self.source_uri,
+                "--sink", f"s3://{RESULTS_BUCKET}/{self.prefix}", "--model", model,
+                "--until-idle", str(until_idle)]
 
     # -- the run -------------------------------------------------------------------
     def _plan(self) -> list[tuple[float, str]]:
         cfg = self.cfg
         kinds = ["kill"] * cfg.kills + ["drain"] * cfg.drains + ["outage"] * cfg.s3_outages \
-            + ["term2"] * cfg.double_terms
+            + ["term2"] * cfg.double_terms + ["hang"] * cfg.hangs \
+            + ["idle_restart"] * cfg.idle_restarts
         if cfg.queue == "kafka" and self.broker is not None:
-            kinds += ["broker"] * cfg.broker_restarts
+            kinds += ["broker"] * cfg.broker_restarts + ["source_outage"] * cfg.source_outages
+        elif cfg.queue == "sqs":
+            kinds += ["source_outage"] * cfg.source_outages
         return sorted((self.rng.uniform(0.05, 0.85), k) for k in kinds)
 
     def _fire(self, kind: str) -> bool:
@@ -272,11 +340,38 @@ class Campaign:
             self.broker.restart(self.rng.uniform(0.5, 2.0))
             self.report.broker_restarts += 1
             return True
+        if kind == "source_outage":
+            seconds = self.cfg.source_outage_seconds
+            log.info("source outage for %.0f s", seconds)
+            self.report.source_outages += 1
+            if self.sqs_proxy is not None:
+                self.sqs_proxy.configure(error_rate=1.0)
+                self._source_outage_ends = time.monotonic() + seconds
+            else:
+                assert self.broker is not None
+                threading.Thread(target=self.broker.restart, args=(seconds,),
+                                 daemon=True).start()
+            return True
         live = self.fleet.live()
+        # Leave a worker that is about to hang alone (its exit 70 is what is tested): the
+        # fault waits for another worker.
+        live = [sl for sl in live if sl.current and sl.current.tag != "hang"]
         if not live:
             return False
         slot = self.rng.choice(live)
-        if kind == "term2":
+        if kind == "hang":
+            log.info("worker %d restarted with an engine that hangs", slot.index)
+            # 70 once it hung; 0 only if it never met enough work to reach the hang.
+            self.fleet.kill(slot, restart_after=0.2, tag="hang", expect_rc=(70, 0),
+                            argv=self._argv(self._model(hang_after=self.rng.randint(1, 3)),
+                                            self.cfg.until_idle))
+            self.report.hangs += 1
+        elif kind == "idle_restart":
+            log.info("SIGKILL worker %d, restart at once with --until-idle 1", slot.index)
+            self.fleet.kill(slot, restart_after=0.1, tag="idle-restart",
+                            argv=self._argv(self._model(), 1.0))
+            self.report.idle_restarts += 1
+        elif kind == "term2":
             log.info("SIGTERM twice worker %d", slot.index)
             self.fleet.interrupt_drain(slot, self.rng.uniform(0.1, 1.0), self.rng.uniform(0.3, 2))
             self.report.double_terms += 1
@@ -292,20 +387,20 @@ class Campaign:
 
     def _run_fleet(self, moto_url: str) -> None:
         cfg = self.cfg
-        model = cfg.model or f"echo://?delay_ms={cfg.delay_ms}"
-        argv = ["run", "--source", self.source_uri,
-                "--sink", f"s3://{RESULTS_BUCKET}/{self.prefix}", "--model", model,
-                "--until-idle", str(cfg.until_idle)]
+        argv = self._argv(self._model(), cfg.until_idle)
         self.fleet = Fleet(cfg.workers, argv, self._worker_env(moto_url), self.dir, self.rng)
         s3 = _s3(moto_url)
         listing = f"{self.prefix}/"
         plan = self._plan()
         expected = len(self.jobs.expected)
         deadline = time.monotonic() + cfg.duration
+        self.fleet.progress_fn = lambda: self._results(s3, listing)
         self.fleet.start()
+        if self._dlq_timer is not None:
+            self._dlq_timer.start()
         last_count = -1
         while time.monotonic() < deadline:
-            count = len(list_keys(s3, RESULTS_BUCKET, listing))
+            count = self._results(s3, listing)
             if count != last_count:
                 log.info("progress %d/%d", count, expected)
                 last_count = count
@@ -316,15 +411,27 @@ class Campaign:
                 self.proxy.configure(error_rate=cfg.s3_error_rate)
                 self._outage_ends = None
                 log.info("S3 outage over")
+            if self._source_outage_ends is not None and \
+                    time.monotonic() >= self._source_outage_ends:
+                assert self.sqs_proxy is not None
+                self.sqs_proxy.configure(error_rate=0.0)
+                self._source_outage_ends = None
+                log.info("source outage over")
             if self._trickle_error is not None:
                 raise RuntimeError("producing jobs failed") from self._trickle_error
-            if count >= expected and not plan and self._outage_ends is None:
+            if count >= expected and not plan and self._outage_ends is None \
+                    and self._source_outage_ends is None:
                 break
-            self.fleet.tick(want_workers=True)
+            self.fleet.tick(want_workers=True, progress=count)
             time.sleep(0.3)
         self.fleet.settle(cfg.until_idle + 40)
         if cfg.queue == "sqs":
             self._settle_sqs(moto_url, rounds=3)
+
+    def _results(self, s3: Any, listing: str) -> int:
+        """Result objects in the sink now (qworker's own ``_`` objects left out)."""
+        return sum(1 for k in list_keys(s3, RESULTS_BUCKET, listing)
+                   if not any(p.startswith("_") for p in k[len(listing):].split("/")))
 
     def _settle_sqs(self, moto_url: str, rounds: int) -> None:
         """Settle again while the queue still holds messages.
@@ -360,8 +467,9 @@ class Campaign:
             # lag is what was produced to the fresh topic minus what the group committed.
             committed = [await consumer.committed(tp) or 0 for tp in tps]
             log.info("committed offsets per partition: %s", committed)
-            self.report.final_lag = (self.report.jobs_produced + self.report.poison_produced
-                                     - sum(committed))
+            produced = (self.report.jobs_produced + self.report.poison_produced
+                        + len(self.jobs.conflict_lines))
+            self.report.final_lag = produced - sum(committed)
         finally:
             await consumer.stop()
         dlq = AIOKafkaConsumer(f"{self.topic}.dlq", bootstrap_servers=self._bootstrap(),
@@ -383,15 +491,18 @@ class Campaign:
         attrs = sqs.get_queue_attributes(
             QueueUrl=self.queue_url,
             AttributeNames=["ApproximateNumberOfMessages",
-                            "ApproximateNumberOfMessagesNotVisible"])["Attributes"]
+                            "ApproximateNumberOfMessagesNotVisible",
+                            "ApproximateNumberOfMessagesDelayed"])["Attributes"]
         self.report.final_lag = sum(int(v) for v in attrs.values())
         bodies: list[bytes] = []
-        while True:
-            got = sqs.receive_message(QueueUrl=self.dlq_url, MaxNumberOfMessages=10,
-                                      VisibilityTimeout=600, WaitTimeSeconds=0).get("Messages", [])
-            if not got:
-                break
-            bodies += [m["Body"].encode() for m in got]
+        for url in {self.dlq_url, self.late_dlq_url} - {""}:  # redrive DLQ + the workers'
+            while True:
+                got = sqs.receive_message(QueueUrl=url, MaxNumberOfMessages=10,
+                                          VisibilityTimeout=600,
+                                          WaitTimeSeconds=0).get("Messages", [])
+                if not got:
+                    break
+                bodies += [m["Body"].encode() for m in got]
         self._count_dlq(bodies)
 
     def _count_dlq(self, bodies: list[bytes]) -> None:
@@ -415,11 +526,16 @@ class Campaign:
                  {"QWORKER_S3_ENDPOINT_URL": moto_url}, self.dir / "collect.log")
         got: dict[str, str] = {}
         bad = 0
+        conflict_lines = 0
         for path, kind in ((out, "ok"), (err, "error")):
             if not path.exists():
                 continue
             for line in path.read_text(encoding="utf-8").splitlines():
                 rec = json.loads(line)
+                if error_code(rec) == "duplicate_custom_id":
+                    conflict_lines += 1  # a conflict record, beside the job's own line
+                    bad += kind != "error"
+                    continue
                 cid = rec.get("custom_id")
                 if cid in got:
                     bad += 1
@@ -430,21 +546,32 @@ class Campaign:
             if got.get(cid) != ("ok" if want == "ok" else "error"):
                 bad += 1
         bad += len(set(got) - set(self.jobs.expected))
+        bad += abs(conflict_lines - len(self.jobs.conflict_lines))
         self.report.collect_mismatches = bad
 
     def _books(self, moto_url: str) -> CheckResult:
-        from qworker.schema import result_key
+        from qworker.schema import conflict_key, request_fingerprint, result_key
 
         r = self.report
-        check = check_results(_s3(moto_url), RESULTS_BUCKET, f"{self.prefix}/", self.jobs,
-                              lambda cid: result_key(self.prefix, self.batch_id, cid))
+        check = check_results(
+            _s3(moto_url), RESULTS_BUCKET, f"{self.prefix}/", self.jobs,
+            lambda cid: result_key(self.prefix, self.batch_id, cid),
+            lambda line: conflict_key(self.prefix, self.batch_id, line["custom_id"],
+                                      request_fingerprint(line["url"], line["body"])))
         r.results_found, r.missing = check.found, len(check.missing)
         r.duplicates, r.invalid = len(check.duplicates), len(check.invalid)
         r.unexpected, r.error_records = len(check.unexpected), check.error_records
+        r.conflicts_produced = len(self.jobs.conflict_lines)
+        r.conflict_records = check.conflict_records
+        r.silently_replaced = len(check.silently_replaced)
+        r.bad_conflicts = len(check.bad_conflicts)
+        r.engine_poison_jobs = sum(1 for v in self.jobs.expected.values() if v == "engine_error")
         r.samples = {k: v[:5] for k, v in (("missing", check.missing),
                                           ("duplicates", check.duplicates),
                                           ("invalid", check.invalid),
-                                          ("unexpected", check.unexpected)) if v}
+                                          ("unexpected", check.unexpected),
+                                          ("silently_replaced", check.silently_replaced),
+                                          ("bad_conflicts", check.bad_conflicts)) if v}
         self._collect(moto_url)
         if self.cfg.queue == "kafka":
             asyncio.run(self._kafka_books())
@@ -453,8 +580,16 @@ class Campaign:
         assert self.fleet is not None and self.proxy is not None
         incs = self.fleet.incarnations()
         r.worker_starts = len(incs)
-        r.worker_crashes = sum(1 for i in incs if i.fate is Fate.EXITED and i.returncode != 0)
-        r.idle_exits = sum(1 for i in incs if i.fate is Fate.EXITED and i.returncode == 0)
+        exited = [i for i in incs if i.fate is Fate.EXITED]
+        r.worker_crashes = sum(1 for i in exited if i.returncode not in i.expect_rc)
+        r.idle_exits = sum(1 for i in exited if i.returncode == 0)
+        # --until-idle may only exit 0 when no work is pending anywhere: by then every
+        # result is stored (messages are deleted / offsets committed after the write).
+        r.idle_exits_with_work_left = sum(
+            1 for i in exited if i.returncode == 0 and i.progress_at_exit is not None
+            and i.progress_at_exit < len(self.jobs.expected))
+        r.exit_codes = dict(sorted(Counter(
+            f"{i.tag or i.fate.value}:{i.returncode}" for i in incs).items()))
         drains = [i for i in incs if i.fate is Fate.DRAINED]
         # A drain exits 75 when it left work (its own or the queue's), 0 when none was left.
         r.drain_bad_exits = sum(1 for i in drains if i.returncode not in (0, 75))
@@ -482,6 +617,10 @@ class Campaign:
                 self.fleet.close()
             if self.proxy is not None:
                 self.proxy.stop()
+            if self.sqs_proxy is not None:
+                self.sqs_proxy.stop()
+            if self._dlq_timer is not None:
+                self._dlq_timer.cancel()
             if self.broker is not None:
                 self.broker.stop()
             if self.moto is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import http.client
 import logging
 import os
 import random
@@ -18,6 +19,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +50,9 @@ class Incarnation:
     ended_at: float | None = None
     returncode: int | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    tag: str = ""              # "hang", "idle-restart", ... ("" = a plain worker)
+    expect_rc: tuple[int, ...] = (0,)  # exit codes the contract allows when it leaves itself
+    progress_at_exit: int | None = None  # results in the sink when its own exit was seen
 
 
 @dataclass(slots=True)
@@ -57,6 +62,9 @@ class Slot:
     index: int
     lives: list[Incarnation] = field(default_factory=list)
     restart_at: float | None = None
+    next_argv: list[str] | None = None  # the next incarnation's argv, once
+    next_tag: str = ""
+    next_expect_rc: tuple[int, ...] = (0,)
 
     @property
     def current(self) -> Incarnation | None:
@@ -93,6 +101,8 @@ class Fleet:
         self._stop = threading.Event()
         self._scraper = threading.Thread(target=self._scrape_loop, name="scraper", daemon=True)
         self._lock = threading.Lock()
+        #: Results in the sink now; noted on workers seen leaving by themselves.
+        self.progress_fn: Callable[[], int] | None = None
 
     # -- lifecycle -----------------------------------------------------------------
     def start(self) -> None:
@@ -106,21 +116,30 @@ class Fleet:
         n = len(slot.lives)
         log_path = self.log_dir / f"worker{slot.index}.{n}.log"
         env = {**os.environ, **AWS_ENV, **self.env, "QWORKER_METRICS_PORT": str(port)}
+        argv = slot.next_argv or self.argv
         with log_path.open("wb") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "qworker", *self.argv],
+            proc = subprocess.Popen([sys.executable, "-m", "qworker", *argv],
                                     stdout=out, stderr=subprocess.STDOUT, env=env)
+        inc = Incarnation(proc, port, log_path, time.monotonic(), tag=slot.next_tag,
+                          expect_rc=slot.next_expect_rc)
         with self._lock:
-            slot.lives.append(Incarnation(proc, port, log_path, time.monotonic()))
+            slot.lives.append(inc)
         slot.restart_at = None
-        log.info("worker %d.%d started (pid %d)", slot.index, n, proc.pid)
+        slot.next_argv, slot.next_tag, slot.next_expect_rc = None, "", (0,)
+        log.info("worker %d.%d started (pid %d)%s", slot.index, n, proc.pid,
+                 f" as {inc.tag}" if inc.tag else "")
 
     def live(self) -> list[Slot]:
         """Slots whose current worker runs and has not been signalled."""
         return [s for s in self.slots
                 if s.current and s.current.fate is Fate.RUNNING and s.current.proc.poll() is None]
 
-    def kill(self, slot: Slot, restart_after: float) -> None:
-        """SIGKILL the slot's worker (after a last scrape) and restart it later."""
+    def kill(self, slot: Slot, restart_after: float, argv: list[str] | None = None,
+             tag: str = "", expect_rc: tuple[int, ...] = (0,)) -> None:
+        """SIGKILL the slot's worker (after a last scrape) and restart it later.
+
+        ``argv`` / ``tag`` / ``expect_rc`` describe the next incarnation (once).
+        """
         inc = slot.current
         assert inc is not None
         self._scrape(inc)
@@ -128,6 +147,7 @@ class Fleet:
         with contextlib.suppress(ProcessLookupError):
             os.kill(inc.proc.pid, signal.SIGKILL)
         slot.restart_at = time.monotonic() + restart_after
+        slot.next_argv, slot.next_tag, slot.next_expect_rc = argv, tag, expect_rc
 
     def interrupt_drain(self, slot: Slot, after: float, restart_after: float) -> None:
         """SIGTERM, then a second SIGTERM ``after`` s later (exit at once, mid-drain).
@@ -152,8 +172,12 @@ class Fleet:
         with contextlib.suppress(ProcessLookupError):
             os.kill(inc.proc.pid, signal.SIGTERM)
 
-    def tick(self, want_workers: bool) -> None:
-        """Reap exited workers; restart slots that are due (only while ``want_workers``)."""
+    def tick(self, want_workers: bool, progress: int | None = None) -> None:
+        """Reap exited workers; restart slots that are due (only while ``want_workers``).
+
+        ``progress`` (results in the sink now) is noted on workers seen leaving by
+        themselves, to tell an idle exit from one that left work behind.
+        """
         now = time.monotonic()
         for slot in self.slots:
             inc = slot.current
@@ -164,6 +188,9 @@ class Fleet:
                 inc.ended_at, inc.returncode = now, rc
                 if inc.fate is Fate.RUNNING:
                     inc.fate = Fate.EXITED
+                    if progress is None and self.progress_fn is not None:
+                        progress = self.progress_fn()
+                    inc.progress_at_exit = progress
                     log.info("worker %d exited by itself rc=%s", slot.index, rc)
                 if slot.restart_at is None:
                     slot.restart_at = now + (0.2 if inc.fate is Fate.DRAINED else 0.5)
@@ -228,7 +255,7 @@ class Fleet:
             url = f"http://127.0.0.1:{inc.metrics_port}/metrics"
             with urllib.request.urlopen(url, timeout=1) as resp:
                 parsed = parse_metrics(resp.read().decode())
-        except OSError:
+        except (OSError, http.client.HTTPException):  # a worker dying mid-answer
             return
         with self._lock:
             inc.metrics = parsed

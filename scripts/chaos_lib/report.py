@@ -39,6 +39,16 @@ class Report:
     redeliveries: int = 0
     final_lag: int | None = None
     collect_mismatches: int = 0
+    conflicts_produced: int = 0
+    conflict_records: int = 0
+    silently_replaced: int = 0
+    bad_conflicts: int = 0
+    engine_poison_jobs: int = 0
+    hangs: int = 0
+    idle_restarts: int = 0
+    source_outages: int = 0
+    idle_exits_with_work_left: int = 0
+    exit_codes: dict[str, int] = field(default_factory=dict)
     faults: dict[str, int] = field(default_factory=dict)
     wall_seconds: float = 0.0
     samples: dict[str, list[str]] = field(default_factory=dict)
@@ -50,7 +60,9 @@ class Report:
         return (self.missing == 0 and self.duplicates == 0 and self.invalid == 0
                 and self.unexpected == 0 and self.drain_bad_exits == 0
                 and self.poison_in_dlq >= self.poison_produced
-                and self.collect_mismatches == 0)
+                and self.collect_mismatches == 0 and self.silently_replaced == 0
+                and self.bad_conflicts == 0 and self.worker_crashes == 0
+                and self.idle_exits_with_work_left == 0)
 
     def as_json(self) -> str:
         """One JSON line with every figure."""
@@ -77,7 +89,18 @@ class Report:
                 ("worker starts", self.worker_starts),
                 ("worker crashes", self.worker_crashes), ("idle exits", self.idle_exits),
                 ("redeliveries (>=)", self.redeliveries), ("final consumer lag", self.final_lag),
-                ("qworker collect mismatches", self.collect_mismatches)]
+                ("qworker collect mismatches", self.collect_mismatches),
+                ("conflicting requests produced", self.conflicts_produced),
+                ("conflict records", self.conflict_records),
+                ("SILENTLY REPLACED", self.silently_replaced),
+                ("conflict records not expected", self.bad_conflicts),
+                ("engine-poison jobs (engine_error)", self.engine_poison_jobs),
+                ("hung engines (exit 70)", self.hangs),
+                ("idle restarts (--until-idle 1)", self.idle_restarts),
+                ("source outages", self.source_outages),
+                ("IDLE EXITS WITH WORK LEFT", self.idle_exits_with_work_left),
+                ("exit codes (fate:rc)", " ".join(f"{k}={v}"
+                                                  for k, v in self.exit_codes.items()))]
         rows += [(f"fault {k}", v) for k, v in sorted(self.faults.items())]
         rows += [("wall time (s)", f"{self.wall_seconds:.1f}"), ("RESULT", "OK" if self.ok
                                                                  else "FAILED")]

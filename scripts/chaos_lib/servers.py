@@ -61,6 +61,20 @@ def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM,
         proc.wait(5)
 
 
+def read_only_dir(scratch: Path) -> Path:
+    """A directory no worker can create files in (a read-only home), made under ``scratch``.
+
+    Permission bits do not stop root, so as root this is ``/sys`` (sysfs refuses new
+    entries even to root).
+    """
+    if os.geteuid() != 0:
+        path = scratch / "read-only-home"
+        path.mkdir(exist_ok=True)
+        path.chmod(0o555)
+        return path
+    return Path("/sys")
+
+
 class MotoServer:
     """moto's S3/SQS server as a child process on a free port (``url`` once started)."""
 

@@ -1,9 +1,11 @@
 """The CUDA backend against the torch reference.
 
 Two ways in: on the CPU, the real kernel sources built by the emulator
-(``tests/attention/emulator``) run behind the backend's own launch code; on a GPU
-(``-m gpu``), the cupy-compiled kernels run for every dtype, head size, block size, GQA
-ratio, split-K on and off, partly filled blocks and contexts up to 32k.
+(``tests/attention/emulator``) run behind the backend's own launch code (here the legacy
+CUDA-core decode kernel, the cache ops and the dispatch; the tensor-core kernels in
+``test_decode_tc.py`` / ``test_prefill_tc.py``); on a GPU (``-m gpu``), the cupy-compiled
+kernels run for every dtype, head size, block size, GQA ratio, split-K on and off, partly
+filled blocks, contexts up to 32k, the FP8 cache and CUDA-graph capture.
 """
 
 from __future__ import annotations
@@ -19,11 +21,9 @@ from qworker.attention.cuda_backend import CudaAttentionBackend
 from qworker.attention.cuda_kernels import DTYPE_CODE, head_tile
 from qworker.attention.torch_ref import TorchAttentionBackend
 from tests.attention.cases import TOLERANCE, Batch, make_batch, rel_err
+from tests.attention.conftest import EMU_LEGACY
 
 REF = TorchAttentionBackend()
-
-# Decode instantiations the emulator builds: (dtype, head size, head tile).
-EMU_INSTANCES = [(0, 32, 8), (2, 64, 4), (1, 80, 2), (2, 128, 8), (0, 96, 1), (1, 32, 8)]
 
 
 def _ref_out(batch: Batch, scale: float) -> torch.Tensor:
@@ -35,21 +35,13 @@ def _real_rows(batch: Batch) -> slice:
 
 
 # ---------------------------------------------------------------------------------------
-# CPU: the emulator
-
-
-@pytest.fixture(scope="module")
-def emu_lib():  # type: ignore[no-untyped-def]
-    from tests.attention.emulator import build, compiler
-
-    if compiler() is None:
-        pytest.skip("no C++ compiler for the kernel emulator")
-    return build(EMU_INSTANCES)
+# CPU: the emulator (fixture emu_lib in tests/attention/conftest.py)
 
 
 def _emu_backend(lib, **kwargs) -> CudaAttentionBackend:  # type: ignore[no-untyped-def]
     from tests.attention.emulator import EmulatedKernels
 
+    kwargs.setdefault("decode", "legacy")
     return CudaAttentionBackend(kernels=EmulatedKernels(lib), num_sms=4, **kwargs)
 
 
@@ -72,7 +64,7 @@ EMU_DECODE_CASES = [
 def test_emulated_decode_kernel_matches_reference(  # type: ignore[no-untyped-def]
     emu_lib, dtype, dim, q_heads, kv_heads, block_size, split, window, lens
 ) -> None:
-    assert (DTYPE_CODE[dtype], dim, head_tile(q_heads // kv_heads)) in EMU_INSTANCES
+    assert (DTYPE_CODE[dtype], dim, head_tile(q_heads // kv_heads)) in EMU_LEGACY
     batch = make_batch(
         [1] * len(lens),
         lens,
@@ -106,13 +98,14 @@ def test_emulated_split_and_unsplit_agree_on_a_long_context(emu_lib) -> None:  #
     assert rel_err(outs[1], _ref_out(batch, 0.125)) < TOLERANCE[torch.bfloat16]
 
 
+@pytest.mark.parametrize("decode", ["legacy", "auto"])
 @pytest.mark.parametrize("prefill", ["sdpa", "paged"])
-def test_emulated_mixed_batch_matches_reference(emu_lib, prefill: str) -> None:  # type: ignore[no-untyped-def]
+def test_emulated_mixed_batch_matches_reference(emu_lib, prefill: str, decode: str) -> None:  # type: ignore[no-untyped-def]
     # two decodes, a chunk over a cached prefix, a fresh prompt, then padding rows
     batch = make_batch(
         [1, 1, 4, 6], [20, 45, 37, 6], 8, 2, 64, 16, torch.bfloat16, pad_tokens=3, seed=5
     )
-    backend = _emu_backend(emu_lib, prefill=prefill)
+    backend = _emu_backend(emu_lib, prefill=prefill, decode=decode)
     out = backend.forward(batch.query, batch.key_cache, batch.value_cache, batch.meta, 0.125)
     ref = _ref_out(batch, 0.125)
     assert rel_err(out, ref, _real_rows(batch)) < TOLERANCE[torch.bfloat16]
@@ -155,6 +148,8 @@ def test_backend_imports_and_falls_back_to_torch_without_cuda() -> None:
     assert rel_err(out, _ref_out(batch, 0.2), _real_rows(batch)) < 1e-6
     with pytest.raises(ValueError, match="prefill"):
         CudaAttentionBackend(prefill="bogus")
+    with pytest.raises(ValueError, match="decode"):
+        CudaAttentionBackend(decode="bogus")
 
 
 # ---------------------------------------------------------------------------------------

@@ -70,3 +70,54 @@ def test_kernel_sources_open_with_the_style_comment_block(name: str) -> None:
     head = text[:4000]
     for word in ("Grid", "layout", "Reference"):
         assert word.lower() in head.lower()
+
+
+@pytest.mark.parametrize("name", [ck.DECODE_TC, ck.PREFILL_TC])
+def test_tensor_core_sources_open_with_the_style_comment_block(name: str) -> None:
+    raw = (ck.CUDA_DIR / name).read_text()
+    assert raw.startswith("//")
+    for word in ("Grid", "layout", "Reference"):
+        assert word.lower() in raw[:5000].lower()
+    assert '#include "warp_mma.cuh"' in raw
+    inlined = ck.source(name)
+    assert "#include" not in inlined and "mma.sync.aligned.m16n8k16" in inlined
+
+
+def test_num_splits_follows_flash_attentions_wave_rule() -> None:
+    # FlashAttention's own example: 48 CTAs on 108 SMs -> 2 splits (0.89 of a wave).
+    assert ck.num_splits_heuristic(48, 108, 1000, 64) == 2
+    assert ck.num_splits_heuristic(100, 108, 1000, 64) == 1  # >= 80% of a wave: no split
+    assert ck.num_splits_heuristic(8, 264, 4, 64) == 4  # capped by the work units
+    # split counts that do not change the per-split length are skipped
+    assert ck.num_splits_heuristic(1, 200, 3, 64) == 3
+
+
+def test_tc_decode_plan_splits_small_batches_only() -> None:
+    plan = ck.plan_decode_tc(torch.bfloat16, False, 128, 1, 8, 4, 32768, 132)
+    assert plan.split and 1 < plan.num_splits <= ck.TC_MAX_SPLITS
+    assert plan.partition_size % ck.TC_SPLIT_UNIT == 0
+    assert plan.num_splits * plan.partition_size >= 32768
+    big = ck.plan_decode_tc(torch.bfloat16, False, 128, 64, 8, 4, 32768, 132)
+    assert not big.split and big.partition_size == 0
+    assert (plan.nt, plan.head_tiles, plan.warps) == (1, 1, 4)
+
+
+def test_tc_decode_plan_heads_and_forced_splits() -> None:
+    assert ck.plan_decode_tc(torch.float16, False, 64, 4, 2, 12, 100, 132).nt == 2
+    assert ck.plan_decode_tc(torch.float16, False, 64, 4, 1, 24, 100, 132).head_tiles == 2
+    assert ck.plan_decode_tc(torch.float16, False, 256, 4, 1, 16, 100, 132).head_tiles == 2
+    forced = ck.plan_decode_tc(torch.bfloat16, True, 128, 64, 8, 1, 1000, 132, None, True, 100)
+    assert (forced.partition_size, forced.num_splits) == (128, 8)
+    assert not ck.plan_decode_tc(torch.bfloat16, False, 128, 1, 8, 4, 32768, 132, None, False).split
+    windowed = ck.plan_decode_tc(torch.bfloat16, False, 128, 1, 8, 4, 10**6, 132, 500)
+    assert windowed.num_splits * windowed.partition_size >= 515
+
+
+def test_tc_layouts_fit_two_ctas_per_sm() -> None:
+    for d in ck.TC_HEAD_SIZES:
+        for kv8 in (False, True):
+            lay = ck.decode_tc_layout(kv8, d)
+            assert lay.stages >= 2 and lay.warps in (2, 4)
+            assert ck.ctas_per_sm(lay.warps * 32, lay.smem_bytes) >= 2
+            if d <= ck.PREFILL_TC_MAX_HEAD:
+                assert ck.ctas_per_sm(128, ck.prefill_tc_layout(kv8, d).smem_bytes, 255) >= 2

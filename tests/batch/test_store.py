@@ -30,8 +30,8 @@ def test_parallel_ranged_listing_equals_one_listing(moto_server: str, s3_bucket:
     store = open_store(f"s3://{s3_bucket}/pre", _settings(moto_server))
     folder = batch_folder("pre", "night")
     single = store.list_names(folder)
-    cuts = split_points(keys, 7)
-    assert len(cuts) == 6
+    assert split_points(keys, 7) == []  # ranges shorter than MIN_RANGE_KEYS
+    cuts = sorted(keys)[::400][1:]  # ranges of 400 keys: several pages overshoot
     ranged = store.list_names(folder, cuts)
     assert ranged == single == sorted(keys)
     assert store.list_names(folder + "_conflicts/") == ["pre/night/_conflicts/x-123.json"]
@@ -56,6 +56,12 @@ def test_dir_store_lists_only_the_batch_files(tmp_path) -> None:
     assert store.list_names("b/") == ["b/x.json"]
     store.put("b/_manifest.json", b"m")
     assert store.get("b/_manifest.json") == b"m" and store.get("b/none.json") is None
+
+
+def test_split_points_cut_equal_runs() -> None:
+    keys = [f"k{i:06d}" for i in range(20000)]
+    assert split_points(keys, 16) == ["k005000", "k010000", "k015000"]
+    assert split_points(keys[:9999], 16) == []
 
 
 def test_ordered_map_bounds_what_it_holds() -> None:

@@ -30,7 +30,9 @@ DESIGN_METRICS = {
     "qworker_jobs_received_total", "qworker_jobs_completed_total", "qworker_jobs_duplicate_total",
     "qworker_jobs_dead_lettered_total", "qworker_inflight_jobs", "qworker_uncommitted_offsets",
     "qworker_sink_put_seconds", "qworker_sink_retries_total", "qworker_draining",
-    "qworker_spot_interruptions_total",
+    "qworker_spot_interruptions_total", "qworker_prefix_cache_queries_total",
+    "qworker_inter_token_latency_seconds", "qworker_request_queue_time_seconds",
+    "qworker_info", "qworker_batch_jobs_completed_total", "qworker_jobs_conflict_total",
 }
 _HISTOGRAM_SUFFIX = re.compile(r"_(bucket|sum|count)$")
 
@@ -272,6 +274,40 @@ def test_image_drains_on_sigterm_as_non_root_with_healthcheck() -> None:
     assert not user.startswith(("0", "root"))
     assert re.search(r"^HEALTHCHECK .*\n?.*/healthz", text, re.MULTILINE)
     assert "QWORKER_METRICS_PORT" in text
+
+
+def test_image_builds_the_tested_torch_line_and_declares_every_import() -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    (image_torch,) = re.findall(r"^ARG TORCH_VERSION=(\S+)", dockerfile, re.MULTILINE)
+    (tested,) = re.findall(r"pip install -q torch==(\S+)", (ROOT / "Makefile").read_text())
+    assert image_torch == tested
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = {re.split(r"[\[<>=!~ ]", d, maxsplit=1)[0].lower().replace("_", "-")
+                for d in project["dependencies"]}
+    # every third-party module qworker/ imports, mapped to its distribution
+    import ast
+    import importlib.metadata
+    import sys
+
+    owners = importlib.metadata.packages_distributions()
+    optional = {"cupy": "gpu extra", "cryptography": "qworker.testing only (dev extra)"}
+    for path in (ROOT / "qworker").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.module
+                     and not node.level else [])
+            for name in names:
+                top = name.split(".")[0]
+                if top in sys.stdlib_module_names or top in ("qworker", "__future__"):
+                    continue
+                if top in optional:
+                    continue
+                dists = {d.lower().replace("_", "-") for d in owners.get(top, [top])}
+                assert dists & declared, f"{path.relative_to(ROOT)} imports {name}: undeclared"
+    bounded = {d.split(">=")[0].split("[")[0]: d for d in project["dependencies"]}
+    assert "<" in bounded["transformers"] and "<" in bounded["gguf"]  # internals imported
 
 
 def test_terraform_retries_spot_reclaims_and_tags_everything() -> None:

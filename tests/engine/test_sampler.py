@@ -297,3 +297,15 @@ def test_bitmask_unpacks_the_same_on_the_gpu() -> None:
     rows = np.array([5, 1, 0, 3])
     assert torch.equal(apply_token_bitmask(logits.cuda(), rows, gpu).cpu(),
                        apply_token_bitmask(logits, rows, cpu))
+
+
+def test_penalty_counts_include_a_token_still_in_flight() -> None:
+    # Overlapped steps: a sequence samples again before its last token reached the host
+    # (num_pending); the device counts already hold that token.
+    logits = torch.zeros(1, V)
+    logits[0, 5], logits[0, 8] = 3.0, 1.5
+    seq = _with_output([1, 2], [5], SamplingParams(temperature=0, frequency_penalty=1.0))
+    sampler = Sampler()
+    assert sampler.sample(logits, [seq]).token_ids == [5]  # 3 - 1 = 2 > 1.5
+    seq.num_pending = 1  # drawn, not appended yet
+    assert sampler.sample(logits, [seq], output_positions=[2]).token_ids == [8]  # 3 - 2 < 1.5

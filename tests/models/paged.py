@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from qworker.attention.backend import AttentionMetadata, KVCache
+from qworker.attention.backend import AttentionBackend, AttentionMetadata, KVCache
+from qworker.attention.paged_attention import bind_kv_cache, forward_context
 from qworker.attention.torch_ref import TorchAttentionBackend
 from qworker.models.base import CausalLM
 
@@ -26,6 +27,7 @@ class PagedRunner:
         block_size: int = 16,
         num_blocks: int = 64,
         sliding_window: int | None = None,
+        backend: AttentionBackend | None = None,
     ) -> None:
         spec = model.spec
         param = next(model.parameters())
@@ -42,7 +44,8 @@ class PagedRunner:
             param.dtype,
             self.device,
         )
-        self.backend = TorchAttentionBackend()
+        self.backend = backend or TorchAttentionBackend()
+        bind_kv_cache(model, self.kv, self.backend)
         self.next_block = 0
         self.tables: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}
@@ -91,13 +94,11 @@ class PagedRunner:
             max_seq_len=max(seq_lens),
             sliding_window=self.sliding_window,
         )
-        hidden = self.model(
-            torch.tensor(ids, dtype=torch.int64, device=dev),
-            torch.tensor(positions, dtype=torch.int64, device=dev),
-            self.kv,
-            meta,
-            self.backend,
-        )
+        with forward_context(meta):
+            hidden = self.model(
+                torch.tensor(ids, dtype=torch.int64, device=dev),
+                torch.tensor(positions, dtype=torch.int64, device=dev),
+            )
         logits = self.model.compute_logits(hidden)
         return {seq: logits[starts[i] : starts[i + 1]] for i, seq in enumerate(order)}
 
@@ -118,6 +119,7 @@ def paged_vs_hf_max_diff(
     decode_steps: int = 4,
     prefill_chunk: int | None = None,
     sliding_window: int | None = None,
+    backend: AttentionBackend | None = None,
 ) -> float:
     """Prefill ``prompts`` together (in chunks of ``prefill_chunk`` tokens if given), then
     decode ``decode_steps`` greedy tokens for all of them in batched steps; return the
@@ -125,7 +127,8 @@ def paged_vs_hf_max_diff(
     each full sequence run in one forward.
     """
     runner = PagedRunner(
-        model, block_size=block_size, num_blocks=256, sliding_window=sliding_window
+        model, block_size=block_size, num_blocks=256, sliding_window=sliding_window,
+        backend=backend,
     )
     seqs = {i: list(p) for i, p in enumerate(prompts)}
     logits: dict[int, list[torch.Tensor]] = {i: [] for i in seqs}

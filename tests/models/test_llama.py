@@ -8,6 +8,8 @@ from typing import Any
 import pytest
 import torch
 
+from qworker.attention.cpu_backend import CpuAttentionBackend
+from qworker.attention.torch_ref import TorchAttentionBackend
 from qworker.errors import ModelLoadError
 from qworker.models.loader import load_model
 from tests.fixtures.models import make_tiny_model_dir
@@ -23,18 +25,26 @@ def _max_diff(model_dir: Path, **kwargs: Any) -> float:
     return paged_vs_hf_max_diff(loaded.model, hf_reference(model_dir), prompts, **kwargs)
 
 
+BACKENDS = {"torch": TorchAttentionBackend, "cpu": CpuAttentionBackend}
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
 @pytest.mark.parametrize(
     "fixture",
     ["tiny_llama_dir", "tiny_mistral_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"],
 )
 def test_paged_logits_match_transformers_for_each_architecture(
-    fixture: str, request: pytest.FixtureRequest
+    fixture: str, backend: str, request: pytest.FixtureRequest
 ) -> None:
-    assert _max_diff(request.getfixturevalue(fixture)) < ATOL
+    assert _max_diff(request.getfixturevalue(fixture), backend=BACKENDS[backend]()) < ATOL
 
 
-def test_chunked_prefill_over_block_boundaries_matches_transformers(tiny_llama_dir: Path) -> None:
-    assert _max_diff(tiny_llama_dir, prefill_chunk=6, block_size=8) < ATOL
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_chunked_prefill_over_block_boundaries_matches_transformers(
+    tiny_llama_dir: Path, backend: str
+) -> None:
+    assert _max_diff(tiny_llama_dir, prefill_chunk=6, block_size=8,
+                     backend=BACKENDS[backend]()) < ATOL
 
 
 @pytest.mark.parametrize(
@@ -103,18 +113,23 @@ def test_legacy_rope_scaling_config_key_is_honoured(tmp_path: Path) -> None:
     assert _max_diff(model_dir) < ATOL
 
 
-def test_mistral_sliding_window_limits_attention_like_transformers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_mistral_sliding_window_limits_attention_like_transformers(
+    tmp_path: Path, backend: str
+) -> None:
     model_dir = make_tiny_model_dir("mistral", tmp_path / "m", seed=9, sliding_window=8)
     loaded = load_model(model_dir, torch.float32, "cpu")
     assert loaded.spec.sliding_window == 8
     prompts = random_prompts(PROMPT_LENGTHS, loaded.spec.vocab_size)
     diff = paged_vs_hf_max_diff(
-        loaded.model, hf_reference(model_dir), prompts, sliding_window=8, prefill_chunk=7
+        loaded.model, hf_reference(model_dir), prompts, sliding_window=8, prefill_chunk=7,
+        backend=BACKENDS[backend](),
     )
     assert diff < ATOL
 
 
-def test_qwen2_windowed_layers_override_the_step_window(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_qwen2_windowed_layers_override_the_step_window(tmp_path: Path, backend: str) -> None:
     model_dir = make_tiny_model_dir(
         "qwen2",
         tmp_path / "m",
@@ -126,7 +141,9 @@ def test_qwen2_windowed_layers_override_the_step_window(tmp_path: Path) -> None:
     loaded = load_model(model_dir, torch.float32, "cpu")
     assert loaded.spec.sliding_window is None  # mixed: layer 0 full, layer 1 windowed
     prompts = random_prompts(PROMPT_LENGTHS, loaded.spec.vocab_size)
-    assert paged_vs_hf_max_diff(loaded.model, hf_reference(model_dir), prompts) < ATOL
+    diff = paged_vs_hf_max_diff(loaded.model, hf_reference(model_dir), prompts,
+                                backend=BACKENDS[backend]())
+    assert diff < ATOL
 
 
 def test_dynamic_rope_scaling_is_refused_with_a_clear_error(tmp_path: Path) -> None:

@@ -170,3 +170,26 @@ def test_directory_with_several_gguf_files_asks_for_the_file(tmp_path: Path) -> 
 def test_a_file_that_is_not_gguf_is_refused(tiny_llama_dir: Path) -> None:
     with pytest.raises(ModelLoadError, match=r"not a \.gguf"):
         load_model(tiny_llama_dir / "config.json", torch.float32, "cpu")
+
+
+def test_dummy_load_format_needs_only_the_config_and_makes_random_weights(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    import shutil
+
+    from qworker.engine.llm import LLM
+    from qworker.engine.sampling_params import SamplingParams
+
+    shutil.copy(tiny_llama_dir / "config.json", tmp_path / "config.json")
+    loaded = load_model(tmp_path, torch.float32, "cpu", load_format="dummy")
+    weights = dict(loaded.model.named_parameters())
+    assert float(weights["model.layers.0.mlp.down_proj.weight"].std()) == pytest.approx(0.02,
+                                                                                      rel=0.2)
+    assert torch.equal(weights["model.norm.weight"], torch.ones_like(weights["model.norm.weight"]))
+    llm = LLM(str(tmp_path), device="cpu", load_format="dummy", num_kv_blocks=8,
+              max_model_len=64)
+    (out,) = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True),
+                          use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 3
+    with pytest.raises(ModelLoadError, match="load_format"):
+        load_model(tmp_path, torch.float32, "cpu", load_format="pickle")

@@ -8,6 +8,8 @@ from typing import Any
 import pytest
 import torch
 
+from qworker.attention.cpu_backend import CpuAttentionBackend
+from qworker.attention.torch_ref import TorchAttentionBackend
 from qworker.models.loader import load_model
 from tests.fixtures.models import make_tiny_model_dir
 from tests.models.paged import hf_reference, paged_vs_hf_max_diff, random_prompts
@@ -15,11 +17,13 @@ from tests.models.paged import hf_reference, paged_vs_hf_max_diff, random_prompt
 ATOL = 1e-4
 
 
-def test_opt_paged_logits_match_transformers(tiny_opt_dir: Path) -> None:
+@pytest.mark.parametrize("backend", [TorchAttentionBackend, CpuAttentionBackend])
+def test_opt_paged_logits_match_transformers(tiny_opt_dir: Path, backend: type) -> None:
     loaded = load_model(tiny_opt_dir, torch.float32, "cpu")
     assert loaded.spec.architecture == "OPTForCausalLM"
     prompts = random_prompts([4, 19, 30], loaded.spec.vocab_size)
-    diff = paged_vs_hf_max_diff(loaded.model, hf_reference(tiny_opt_dir), prompts, prefill_chunk=9)
+    diff = paged_vs_hf_max_diff(loaded.model, hf_reference(tiny_opt_dir), prompts, prefill_chunk=9,
+                                backend=backend())
     assert diff < ATOL
 
 

@@ -37,6 +37,8 @@ def read_results(root: Path) -> dict[str, dict[str, Any]]:
     """custom_id -> record for every result file under a file:// sink directory."""
     out: dict[str, dict[str, Any]] = {}
     for path in sorted(root.rglob("*.json")):
+        if any(part.startswith("_") for part in path.relative_to(root).parts):
+            continue  # qworker's own objects: fingerprints, conflicts, the manifest
         record = json.loads(path.read_text())
         assert record["custom_id"] not in out, f"two results for {record['custom_id']}"
         out[record["custom_id"]] = record
@@ -54,3 +56,4 @@ def acked_lines(progress: Path) -> set[int]:
         elif line.strip().isdigit():
             done.add(int(line))
     return done
+

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from qworker.engine.stats import EngineStats
 from qworker.worker.admission import Admission
 
@@ -57,3 +60,30 @@ def test_fits_refuses_a_job_whose_growth_would_overflow_the_pool() -> None:
     big = Admission.growth(16, 64, 1, 1024, start_step=0)  # 5 blocks at the end
     assert not adm.fits(stats, 0, 1, [running], big, step=0, block_size=16)
     assert adm.fits(stats, 0, 1, [], big, step=0, block_size=16)  # idle engine: always
+
+
+def _peak_reference(jobs: list, step: int, block_size: int) -> int:
+    """The quadratic projection: every sequence at every moment just before one ends."""
+    seqs = [job.at(step) for job in jobs for _ in range(job.n)]
+    best = 0
+    for _, rem_k in seqs:
+        moment = max(rem_k - 1, 0)
+        total = sum(-(-(cur + moment) // block_size) for cur, rem in seqs if rem >= rem_k)
+        best = max(best, total)
+    return best
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 300), st.integers(0, 300), st.integers(1, 4),
+                       st.integers(0, 50)), min_size=1, max_size=12),
+    st.integers(0, 60),
+    st.sampled_from([8, 16, 32]),
+)
+def test_peak_projection_matches_the_quadratic_reference(
+    specs: list[tuple[int, int, int, int]], step: int, block_size: int
+) -> None:
+    jobs = [Admission.growth(p, m, n, 4096, start) for p, m, n, start in specs]
+    assert Admission.peak_blocks(jobs, step, block_size) == _peak_reference(
+        jobs, step, block_size)
+

@@ -1,7 +1,7 @@
 """End to end through real servers: ``qworker produce`` -> Kafka/SQS -> ``qworker run`` -> S3.
 
 Each test drives the CLI as subprocesses (the echo engine stands in for the model) and
-checks the delivery guarantees of DESIGN.md on what lands in S3 and in the queues:
+checks the delivery guarantees of docs/formats.md on what lands in S3 and in the queues:
 every job ends with exactly one result object, kills and drains lose nothing, and
 malformed messages become error records or dead letters while the worker keeps going.
 """

@@ -52,3 +52,18 @@ def test_abort_and_multi_step_requests() -> None:
     assert out.request_id == "a" and out.outputs[0].finish_reason == "abort"
     (out,) = engine.step()
     assert out.request_id == "b" and out.outputs[0].finish_reason == "stop"
+
+
+def test_fault_options_for_the_campaign() -> None:
+    engine = EchoEngine.from_uri("echo://?poison=BOOM&fail_rate=0&hang_after=0&seed=3")
+    engine.add_request("ok", "fine", SamplingParams(max_tokens=4))
+    assert [o.request_id for o in engine.step()] == ["ok"]
+    engine.add_request("bad", "a BOOM here", SamplingParams(max_tokens=4))
+    with pytest.raises(RuntimeError, match="poisoned"):
+        engine.step()
+    engine.abort("bad")
+    assert [o.outputs[0].finish_reason for o in engine.step()] == ["abort"]
+    flaky = EchoEngine(fail_rate=1.0, seed=1)
+    flaky.add_request("x", "x", SamplingParams(max_tokens=1))
+    with pytest.raises(RuntimeError, match="injected"):
+        flaky.step()

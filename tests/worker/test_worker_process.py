@@ -55,7 +55,7 @@ def _wait_for_results(
 ) -> None:
     until = time.monotonic() + timeout
     while time.monotonic() < until:
-        if len(list((tmp_path / "out").rglob("*.json"))) >= count:
+        if len(read_results(tmp_path / "out")) >= count:
             return
         assert proc.poll() is None, _log(tmp_path)
         time.sleep(0.05)

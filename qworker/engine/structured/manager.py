@@ -167,6 +167,9 @@ class GrammarManager:
         return stopped
 
     def _sync(self, seq: Sequence) -> _State:
+        if seq.num_pending:  # the engine waits for these (SamplingParams.needs_host_history)
+            raise RuntimeError(f"sequence {seq.seq_id}: a constrained row sampled before its "
+                               "previous token reached the host")
         st = self._states.get(seq.seq_id)
         out = seq.num_output_tokens
         if st is None or st.seq is not seq or st.num_consumed > out:

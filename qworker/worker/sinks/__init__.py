@@ -1,6 +1,6 @@
 """Result sinks and the factory that opens one from a URI.
 
-URIs (DESIGN.md): ``s3://bucket/prefix``, ``file:///path/dir``.
+URIs (docs/formats.md, "URIs"): ``s3://bucket/prefix``, ``file:///path/dir``.
 
 Contract for ``qworker.worker.sinks.s3`` (imported lazily, so a file-only worker
 needs no boto3): ``open_sink(uri: str, settings: WorkerSettings) -> Sink`` and

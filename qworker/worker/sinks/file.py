@@ -2,7 +2,10 @@
 
 Each put writes a temporary file and hard-links it into place: the link fails if
 the name exists, so the first result wins atomically (the local ``IfNoneMatch``),
-and a reader never sees a half-written record.
+and a reader never sees a half-written record. The request's fingerprint is stored
+beside the record, in ``<batch>/_fingerprints/<name>`` (names starting with ``_`` are
+qworker's own, never a result), linked first the same way: whoever wins that link is
+the request the record answers (docs/formats.md, fingerprints and conflicts).
 """
 
 from __future__ import annotations
@@ -13,8 +16,11 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from qworker.worker.sinks.base import Sink
+from qworker.worker.failures import StartupError
+from qworker.worker.sinks.base import PutResult, Sink, SinkError
 from qworker.worker.sources.file import file_path
+
+FINGERPRINTS_DIR = "_fingerprints"
 
 
 class FileSink(Sink):
@@ -28,31 +34,66 @@ class FileSink(Sink):
         """Build from ``file:///path/dir`` (created on first write)."""
         return cls(file_path(uri))
 
-    async def put(self, key: str, body: bytes) -> bool:
-        """Store ``body`` at ``key`` unless present; runs the file I/O off the loop."""
-        return await asyncio.to_thread(self.put_sync, key, body)
+    async def check(self) -> None:
+        """The directory exists or can be created, and is writable."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StartupError(f"sink directory {self.root} cannot be created: {exc}") from None
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            raise StartupError(f"sink directory {self.root} is not writable")
 
-    def put_sync(self, key: str, body: bytes) -> bool:
+    async def put(self, key: str, body: bytes, fingerprint: str | None = None) -> PutResult:
+        """Store ``body`` at ``key`` unless present; runs the file I/O off the loop."""
+        try:
+            return await asyncio.to_thread(self.put_sync, key, body, fingerprint)
+        except (ValueError, SinkError):
+            raise
+        except OSError as exc:
+            raise SinkError(f"cannot write {self.root / key}: {exc}") from exc
+
+    def put_sync(self, key: str, body: bytes, fingerprint: str | None = None) -> PutResult:
         """Blocking form of ``put``."""
         target = self.root / key
         if ".." in Path(key).parts or Path(key).is_absolute():
             raise ValueError(f"unsafe result key {key!r}")
+        sidecar = target.parent / FINGERPRINTS_DIR / target.name
         if target.exists():
-            return False
+            return PutResult(False, _read_fingerprint(sidecar))
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.parent / f".tmp-{uuid.uuid4().hex}"
-        with tmp.open("wb") as out:
-            out.write(body)
-        try:
-            os.link(tmp, target)
-        except FileExistsError:
-            return False
-        finally:
-            tmp.unlink()
-        return True
+        if fingerprint is not None:
+            sidecar.parent.mkdir(exist_ok=True)
+        if fingerprint is not None and not _link_new(sidecar, fingerprint.encode()):
+            stored = _read_fingerprint(sidecar)
+            if stored != fingerprint:  # another request owns this key (its record may follow)
+                return PutResult(False, stored)
+        if not _link_new(target, body):
+            return PutResult(False, _read_fingerprint(sidecar))
+        return PutResult(True)
 
     async def close(self) -> None:
         """Nothing buffered: every put is on disk when it returns."""
+
+
+def _link_new(target: Path, body: bytes) -> bool:
+    """Write ``body`` to ``target`` atomically unless it exists; False if it did."""
+    tmp = target.parent / f".tmp-{uuid.uuid4().hex}"
+    with tmp.open("wb") as out:
+        out.write(body)
+    try:
+        os.link(tmp, target)
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink()
+    return True
+
+
+def _read_fingerprint(sidecar: Path) -> str | None:
+    try:
+        return sidecar.read_text().strip() or None
+    except FileNotFoundError:
+        return None
 
 
 def collect_dir(uri: str, batch_id: str) -> Iterator[bytes]:

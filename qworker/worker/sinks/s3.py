@@ -1,32 +1,29 @@
-"""S3 result sink: one object per job, first write wins, transient failures retried.
+"""S3 result sink: one object per job, first write wins, the request's fingerprint beside it.
 
 ``put`` writes with ``IfNoneMatch="*"``: S3 refuses to overwrite an existing key
-with 412 PreconditionFailed, which this sink reports as a duplicate (False).
-That also covers our own earlier attempt whose response was lost (a timeout or a
-reset after S3 stored the object): the retry sees 412 and the result is there.
+with 412 PreconditionFailed, which this sink reports as "not written" together with
+the stored object's fingerprint (its ``x-amz-meta-qworker-fingerprint``, read with a
+HEAD), so the caller can tell a redelivery (same fingerprint) from a second request
+under the same custom_id (docs/formats.md, fingerprints and conflicts). That also
+covers our own earlier attempt whose response was lost (a timeout or a reset after
+S3 stored the object): the retry sees 412 and the result is there.
 
-409 ConditionalRequestConflict (a concurrent conditional write to the same key is
-in flight) is retried, not counted as a duplicate: the other writer may still
-fail, and the retry resolves to 412 (it won) or 200 (it did not).
-
-Retry policy: throttling (SlowDown, 503), other 5xx, 409 conflicts, timeouts and
-connection errors are retried with exponential backoff and full jitter
-(``sleep = uniform(0, min(max_delay, base_delay * 2**attempt))``) up to
-``max_attempts`` tries, then ``S3WriteError`` is raised. Other client errors
-(AccessDenied, NoSuchBucket, ...) raise at once. botocore's own retries are off
-(see ``qworker.worker.aws``), so this is the only retry loop.
+One attempt per ``put``: every failure (throttling, 5xx, 409 ConditionalRequestConflict
+of a concurrent conditional write, timeouts, resets, AccessDenied) raises
+``S3WriteError`` and the caller's single retry loop (``qworker.worker.result_writer``)
+decides when to try again. botocore's own retries are off (``qworker.worker.aws``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import random
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from qworker.worker.aws import BlockingRunner, make_client, s3_options
-from qworker.worker.sinks.base import Sink
+from qworker.worker.failures import StartupError
+from qworker.worker.sinks.base import PutResult, Sink, SinkError
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +47,16 @@ _RETRY_CODES = frozenset(
 )
 
 
-class S3WriteError(OSError):
-    """A result could not be written to S3 after every retry (or hit a permanent error)."""
+#: The object metadata key holding the request fingerprint (``x-amz-meta-...``).
+FINGERPRINT_META = "qworker-fingerprint"
+
+
+class S3WriteError(SinkError):
+    """One write to S3 failed; ``transient`` tells throttling/5xx/timeouts from the rest."""
+
+    def __init__(self, message: str, transient: bool = True) -> None:
+        super().__init__(message)
+        self.transient = transient
 
 
 def parse_s3_uri(uri: str) -> tuple[str, str]:
@@ -97,8 +102,7 @@ class S3Sink(Sink):
     """Writes result objects to one bucket; keys are complete (prefix included).
 
     ``client`` is a boto3 S3 client (thread-safe); calls run on a private pool of
-    ``concurrency`` threads with ``call_timeout`` seconds each. ``on_retry`` (if set)
-    is called once per retried attempt, e.g. to count ``qworker_sink_retries_total``.
+    ``concurrency`` threads with ``call_timeout`` seconds each.
     """
 
     def __init__(
@@ -106,86 +110,83 @@ class S3Sink(Sink):
         client: Any,
         bucket: str,
         *,
-        max_attempts: int = 8,
-        base_delay: float = 0.05,
-        max_delay: float = 5.0,
         call_timeout: float = 60.0,
         concurrency: int = 16,
-        on_retry: Callable[[str], None] | None = None,
-        rng: random.Random | None = None,
     ) -> None:
-        if max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
         self.client = client
         self.bucket = bucket
-        self.max_attempts = max_attempts
-        self.base_delay = base_delay
-        self.max_delay = max_delay
         self.call_timeout = call_timeout
-        self.on_retry = on_retry
-        self.retries = 0
-        self._rng = rng or random.Random()
         self._runner = BlockingRunner(concurrency, "qworker-s3")
         self._slots = asyncio.Semaphore(concurrency)
         self._closed = False
 
-    def backoff(self, attempt: int) -> float:
-        """Seconds to sleep before retry number ``attempt`` (0-based): full jitter."""
-        return self._rng.uniform(0.0, min(self.max_delay, self.base_delay * (2**attempt)))
+    async def _call(self, method: str, **kwargs: Any) -> Any:
+        # Wait for a free thread first, so call_timeout covers the call itself and not
+        # the time spent queued behind other calls.
+        async with self._slots:
+            return await self._runner.run(
+                self.call_timeout, getattr(self.client, method), **kwargs
+            )
 
-    async def put(self, key: str, body: bytes) -> bool:
-        """Write ``body`` at ``key`` unless it exists; True written, False duplicate.
+    async def check(self) -> None:
+        """The bucket exists and is reachable with these credentials (HEAD bucket)."""
+        try:
+            await self._call("head_bucket", Bucket=self.bucket)
+        except Exception as exc:
+            if classify_error(exc) == "fatal":
+                raise StartupError(
+                    f"s3 bucket {self.bucket!r} is not usable: {_describe(exc)}"
+                ) from None
+            log.warning("s3 bucket %s could not be checked (will retry on use): %s",
+                        self.bucket, exc)
 
-        Raises ``S3WriteError`` after ``max_attempts`` transient failures or at the
-        first permanent one.
+    async def put(self, key: str, body: bytes, fingerprint: str | None = None) -> PutResult:
+        """Write ``body`` at ``key`` unless it exists (one attempt); see the module docstring.
+
+        Raises ``S3WriteError`` when the attempt failed.
         """
-        last: BaseException | None = None
-        for attempt in range(self.max_attempts):
-            try:
-                # Wait for a free thread first, so call_timeout covers the call itself and
-                # not the time spent queued behind other puts.
-                async with self._slots:
-                    await self._runner.run(
-                        self.call_timeout,
-                        self.client.put_object,
-                        Bucket=self.bucket,
-                        Key=key,
-                        Body=body,
-                        IfNoneMatch="*",
-                        ContentType="application/json",
-                    )
-                return True
-            except Exception as exc:
-                kind = classify_error(exc)
-                if kind == "duplicate":
-                    log.info("s3 put duplicate key=%s (an object already exists)", key)
-                    return False
-                if kind == "fatal":
-                    raise S3WriteError(f"s3 put s3://{self.bucket}/{key} failed: {exc}") from exc
-                last = exc
-            if attempt + 1 < self.max_attempts:
-                self.retries += 1
-                if self.on_retry is not None:
-                    self.on_retry(type(last).__name__)
-                delay = self.backoff(attempt)
-                log.warning(
-                    "s3 put key=%s attempt %d/%d failed (%s); retrying in %.2fs",
-                    key,
-                    attempt + 1,
-                    self.max_attempts,
-                    last,
-                    delay,
-                )
-                await asyncio.sleep(delay)
-        raise S3WriteError(
-            f"s3 put s3://{self.bucket}/{key} failed after {self.max_attempts} attempts: {last}"
-        ) from last
+        metadata = {FINGERPRINT_META: fingerprint} if fingerprint else {}
+        try:
+            await self._call(
+                "put_object",
+                Bucket=self.bucket,
+                Key=key,
+                Body=body,
+                IfNoneMatch="*",
+                ContentType="application/json",
+                Metadata=metadata,
+            )
+            return PutResult(True)
+        except Exception as exc:
+            kind = classify_error(exc)
+            if kind != "duplicate":
+                raise S3WriteError(
+                    f"s3 put s3://{self.bucket}/{key} failed: {_describe(exc)}",
+                    transient=kind == "retry",
+                ) from exc
+        log.info("s3 put duplicate key=%s (an object already exists)", key)
+        return PutResult(False, await self._stored_fingerprint(key))
+
+    async def _stored_fingerprint(self, key: str) -> str | None:
+        try:
+            head = await self._call("head_object", Bucket=self.bucket, Key=key)
+        except Exception as exc:
+            raise S3WriteError(
+                f"s3 head s3://{self.bucket}/{key} failed: {_describe(exc)}",
+                transient=classify_error(exc) != "fatal",
+            ) from exc
+        value = (head.get("Metadata") or {}).get(FINGERPRINT_META)
+        return str(value) if value else None
 
     async def close(self) -> None:
         """Release the thread pool; idempotent. Puts already awaited have completed."""
         if not self._closed:
             self._closed = True
             self._runner.shutdown()
+
+
+def _describe(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__
 
 
 def open_sink(uri: str, settings: Any) -> S3Sink:

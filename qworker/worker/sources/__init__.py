@@ -1,6 +1,6 @@
 """Job sources and the factory that opens one from a URI.
 
-URIs (DESIGN.md): ``kafka://host:port[,host:port]/topic?group=NAME``,
+URIs (docs/formats.md, "URIs"): ``kafka://host:port[,host:port]/topic?group=NAME``,
 ``sqs://QUEUE_URL_OR_NAME``, ``file:///path/requests.jsonl``.
 
 Contract for the queue modules, imported lazily so a file-only worker needs

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
+from qworker.worker.failures import StartupError
 from qworker.worker.sources.base import Message, Source
 
 if TYPE_CHECKING:
@@ -67,7 +68,7 @@ class FileSource(Source):
     async def start(self) -> None:
         """Open the spool, lock and compact the progress log."""
         if not self.path.is_file():
-            raise FileNotFoundError(f"source file {self.path} does not exist")
+            raise StartupError(f"source file {self.path} does not exist")
         self._load_progress()
         self._reader = self.path.open("rb")
         log.info(
@@ -82,7 +83,7 @@ class FileSource(Source):
             fcntl.flock(progress.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             progress.close()
-            raise RuntimeError(
+            raise StartupError(
                 f"{self.progress_path} is locked: another worker uses this spool"
             ) from None
         progress.seek(0)

@@ -1,9 +1,10 @@
 """Kafka job source: an aiokafka consumer group with manual watermark commits.
 
-Delivery (DESIGN.md): at-least-once. Offsets are committed by hand, per partition, at
-the *watermark* (``qworker.worker.offsets``): the lowest offset whose result is not
-yet in the sink. Commits happen every ``commit_interval`` seconds, before partitions
-are revoked, and on ``close``; never past unfinished work.
+Delivery (docs/formats.md, "Delivery guarantees"): at-least-once. Offsets are
+committed by hand, per partition, at the *watermark* (``qworker.worker.offsets``): the
+lowest offset whose result is not yet in the sink. Commits happen every
+``commit_interval`` seconds, before partitions are revoked, and on ``close``; never
+past unfinished work.
 
 How the pieces fit:
 
@@ -54,9 +55,10 @@ from aiokafka.errors import (
 )
 from aiokafka.structs import OffsetAndMetadata
 
+from qworker.worker.failures import SourceUnavailableError, StartupError
 from qworker.worker.sources.base import Message, Source
 from qworker.worker.sources.kafka_client import KafkaSecurity, check_codecs
-from qworker.worker.sources.kafka_lag import RecordProbe, group_lag
+from qworker.worker.sources.kafka_lag import RecordProbe, group_lag, stop_quietly
 from qworker.worker.sources.kafka_produce import (
     DLQ_REASON_HEADER,
     DLQ_SOURCE_HEADER,
@@ -88,10 +90,10 @@ log = logging.getLogger(__name__)
 DEFAULT_GROUP = "qworker"
 
 
-class KafkaDecodeError(RuntimeError):
+class KafkaDecodeError(SourceUnavailableError):
     """A fetched batch cannot be decoded (unknown codec, corrupt batch): not retryable.
 
-    ``fatal`` tells the worker to stop rather than retry (exit 69, docs/formats.md).
+    ``fatal`` tells the worker to stop rather than retry (exit 69, docs/operations.md).
     """
 
     fatal = True
@@ -163,6 +165,10 @@ class KafkaSource(Source):
         self._dlq = DeadLetterProducer(bootstrap, self.dlq_topic, request_timeout, self.security)
         self._probe = RecordProbe(bootstrap, request_timeout, **self.security.client_options())
         self._fatal: KafkaDecodeError | None = None
+        #: Seconds between the metadata requests that tell an outage from an idle topic.
+        self.liveness_interval = 2.0
+        self.liveness_timeout = 10.0
+        self._down: BaseException | None = None
         self._commit_lock = asyncio.Lock()
         self._book = PartitionBook()
         self._buffer: deque[Message] = deque()
@@ -174,8 +180,16 @@ class KafkaSource(Source):
     # -- lifecycle -------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Join the group and start the poll and commit tasks."""
+        """Check the topic exists, join the group, start the poll, commit and probe tasks.
+
+        Raises ``StartupError`` when the topic does not exist (no auto-creation here).
+        """
         check_codecs()
+        if self._consumer is not None:  # an earlier start failed half-way
+            await stop_quietly(self._consumer, self.request_timeout)
+            self._consumer = None
+        if self.topic not in await self._probe.topics():
+            raise StartupError(f"kafka topic {self.topic!r} does not exist on {self.bootstrap}")
         self._consumer = AIOKafkaConsumer(
             bootstrap_servers=self.bootstrap,
             group_id=self.group,
@@ -195,6 +209,7 @@ class KafkaSource(Source):
         self._tasks = [
             asyncio.create_task(self._poll_loop(), name="kafka-poll"),
             asyncio.create_task(self._commit_loop(), name="kafka-commit"),
+            asyncio.create_task(self._liveness_loop(), name="kafka-liveness"),
         ]
         await self._await_backlog(self.start_wait)
         log.info("kafka source started topic=%s group=%s", self.topic, self.group)
@@ -241,8 +256,7 @@ class KafkaSource(Source):
                 # from generation > 0; without it the group waits a full session timeout
                 # before handing our partitions on. LeaveGroup itself carries no generation.
                 coordinator.generation = 1  # type: ignore[union-attr]
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._consumer.stop(), self.request_timeout)
+            await stop_quietly(self._consumer, self.request_timeout)
         await self._dlq.stop()
         await self._probe.stop()
         self._ready.set()
@@ -253,12 +267,16 @@ class KafkaSource(Source):
     async def receive(self, max_messages: int, timeout: float) -> list[Message]:
         """Up to ``max_messages`` fetched messages; ``[]`` after ``timeout`` seconds.
 
-        Raises ``KafkaDecodeError`` once a batch could not be decoded (see the module).
+        Raises ``KafkaDecodeError`` once a batch could not be decoded (see the module),
+        ``SourceUnavailableError`` while no broker answers (aiokafka itself only logs
+        that and returns nothing): the worker rides the latter out within its budget.
         """
         if self._fatal is not None and not self._buffer:
             raise self._fatal
         if self._closed:
             return []
+        if self._down is not None and not self._buffer:
+            raise SourceUnavailableError(f"kafka brokers unreachable: {self._down!r}")
         deadline = time.monotonic() + timeout
         while not self._buffer and not self._closed:
             if self._fatal is not None:
@@ -384,6 +402,25 @@ class KafkaSource(Source):
                 if part is not None:
                     part.watermark.mark_committed(om.offset)
             log.debug("kafka committed %s", {tp.partition: om.offset for tp, om in offsets.items()})
+
+    async def _liveness_loop(self) -> None:
+        # aiokafka retries a lost broker silently (getmany just returns nothing): ask the
+        # cluster for its metadata now and then so an outage is seen, not taken for idle.
+        consumer = self._consumer
+        assert consumer is not None
+        while True:
+            await asyncio.sleep(self.liveness_interval)
+            try:
+                await asyncio.wait_for(consumer.topics(), self.liveness_timeout)
+            except (KafkaError, TimeoutError) as exc:
+                if self._down is None:
+                    log.warning("kafka brokers do not answer: %r", exc)
+                self._down = exc
+                self._ready.set()
+            else:
+                if self._down is not None:
+                    log.warning("kafka brokers answer again")
+                self._down = None
 
     async def _commit_loop(self) -> None:
         while True:
@@ -528,4 +565,5 @@ async def produce(uri: str, items: Iterable[tuple[str | None, bytes]], settings:
         items,
         KafkaSecurity.from_settings(settings),
         getattr(settings, "kafka_compression", None),
+        getattr(settings, "max_job_bytes", 1 << 20),
     )

@@ -12,13 +12,31 @@ work left.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 import time
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+log = logging.getLogger(__name__)
+
 _PROBE_WAIT_S = 1.0  # how long a probe fetch may take to find a record
+
+
+async def stop_quietly(client: Any, timeout: float) -> None:
+    """Stop an aiokafka client; never raises (a dead broker can make ``stop`` fail or hang).
+
+    aiokafka may surface a ``CancelledError`` of its own fetch task from ``stop``; it is
+    swallowed unless this task itself is being cancelled.
+    """
+    try:
+        await asyncio.wait_for(client.stop(), timeout)
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+    except Exception as exc:
+        log.debug("kafka client stop failed: %r", exc)
 
 
 async def group_lag(
@@ -81,11 +99,15 @@ class RecordProbe:
             )
         return found
 
+    async def topics(self) -> set[str]:
+        """Every topic the cluster has (a metadata request that never auto-creates one)."""
+        consumer = await self._started()
+        return set(await asyncio.wait_for(consumer.topics(), self.request_timeout))
+
     async def stop(self) -> None:
         """Stop the probe consumer if it was started; never raises."""
         if self._consumer is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._consumer.stop(), self.request_timeout)
+            await stop_quietly(self._consumer, self.request_timeout)
             self._consumer = None
 
     async def _started(self) -> AIOKafkaConsumer:

@@ -8,7 +8,6 @@ them) and wait for ``acks="all"``. Connection options (TLS, SASL) come from one
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -16,9 +15,21 @@ from aiokafka import AIOKafkaProducer
 
 from qworker.worker.sources.base import Message
 from qworker.worker.sources.kafka_client import KafkaSecurity
+from qworker.worker.sources.kafka_lag import stop_quietly
+from qworker.worker.sources.kafka_rebalance import KafkaHandle
 
+#: Room for a record's key, headers and batch framing beyond its body.
+_RECORD_HEADROOM = 64 << 10
+#: The dead-letter producer's client-side size check: far above any broker's limit, so
+#: what the broker delivered is never refused here (the broker's own limit still applies).
+_DLQ_MAX_REQUEST_BYTES = 64 << 20
 DLQ_REASON_HEADER = "qworker-dlq-reason"
 DLQ_SOURCE_HEADER = "qworker-source"
+#: Where a dead letter came from, so readers can drop the repeats an at-least-once
+#: dead-letter path produces (docs/formats.md): topic, partition and offset.
+DLQ_TOPIC_HEADER = "qworker-source-topic"
+DLQ_PARTITION_HEADER = "qworker-source-partition"
+DLQ_OFFSET_HEADER = "qworker-source-offset"
 
 
 class DeadLetterProducer:
@@ -48,6 +59,13 @@ class DeadLetterProducer:
             (DLQ_REASON_HEADER, reason.encode("utf-8", "replace")),
             (DLQ_SOURCE_HEADER, msg.message_id.encode()),
         ]
+        handle = msg.handle
+        if isinstance(handle, KafkaHandle):
+            headers += [
+                (DLQ_TOPIC_HEADER, handle.tp.topic.encode()),
+                (DLQ_PARTITION_HEADER, str(handle.tp.partition).encode()),
+                (DLQ_OFFSET_HEADER, str(handle.offset).encode()),
+            ]
         key = msg.key.encode() if msg.key is not None else None
         await asyncio.wait_for(
             producer.send_and_wait(self.topic, msg.body, key=key, headers=headers),
@@ -57,8 +75,7 @@ class DeadLetterProducer:
     async def stop(self) -> None:
         """Stop the producer if it was started; never raises."""
         if self._producer is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._producer.stop(), self.request_timeout)
+            await stop_quietly(self._producer, self.request_timeout)
 
     async def _started(self) -> AIOKafkaProducer:
         async with self._lock:
@@ -68,9 +85,14 @@ class DeadLetterProducer:
                     enable_idempotence=False,
                     acks="all",
                     request_timeout_ms=int(self.request_timeout * 1000),
+                    max_request_size=_DLQ_MAX_REQUEST_BYTES,
                     **self.security.client_options(),
                 )
-                await producer.start()
+                try:
+                    await asyncio.wait_for(producer.start(), self.request_timeout)
+                except BaseException:
+                    await stop_quietly(producer, self.request_timeout)
+                    raise
                 self._producer = producer
             return self._producer
 
@@ -81,10 +103,13 @@ async def produce_to(
     items: Iterable[tuple[str | None, bytes]],
     security: KafkaSecurity | None = None,
     compression: str | None = None,
+    max_job_bytes: int = 1 << 20,
 ) -> int:
     """Send every ``(key, body)`` to ``topic``; return the count once all are acknowledged.
 
-    ``compression`` is a Kafka codec (gzip, snappy, lz4, zstd) or None.
+    ``compression`` is a Kafka codec (gzip, snappy, lz4, zstd) or None. A body of
+    ``max_job_bytes`` (what the worker accepts) always fits the client's request limit;
+    the broker's own limit (``message.max.bytes``) applies to the compressed batch.
     """
     producer = AIOKafkaProducer(
         bootstrap_servers=bootstrap,
@@ -92,6 +117,7 @@ async def produce_to(
         acks="all",
         linger_ms=5,
         compression_type=compression,
+        max_request_size=max(1 << 20, max_job_bytes) + _RECORD_HEADROOM,
         **(security or KafkaSecurity()).client_options(),
     )
     await producer.start()

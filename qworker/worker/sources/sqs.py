@@ -1,7 +1,7 @@
 """SQS job source: long polling, visibility heartbeats, delete only after the result is written.
 
-Delivery (DESIGN.md): at-least-once. A received message stays invisible for
-``visibility_timeout`` seconds; a heartbeat task extends the visibility of every
+Delivery (docs/formats.md, "Delivery guarantees"): at-least-once. A received message
+stays invisible for ``visibility_timeout`` seconds; a heartbeat task extends the visibility of every
 message still in flight every third of that, so a long job is never handed to a
 second worker. Heartbeat rounds run on a fixed cadence timed from their start and
 send their ChangeMessageVisibilityBatch calls (10 messages each) concurrently, so
@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from qworker.worker.aws import BlockingRunner, make_client, sqs_options
+from qworker.worker.failures import SourceUnavailableError, StartupError
 from qworker.worker.sources.base import Message, Source
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,7 @@ class SqsSource(Source):
         self._arrived: list[dict[str, Any]] = []
         self._poll: concurrent.futures.Future[Any] | None = None
         self._poll_failed = False
+        self._poll_error: BaseException | None = None  # of the last completed poll
         self._poll_backoff_until = 0.0
         self._runner = BlockingRunner(_CALL_THREADS, "qworker-sqs")
         self._heartbeat_task: asyncio.Task[None] | None = None
@@ -136,6 +138,7 @@ class SqsSource(Source):
         #: Heartbeat rounds that took longer than a third of the visibility timeout.
         self.slow_heartbeats = 0
         self._closed = False
+        self._closing = False  # close() began: pending deletes get one more try only
 
     async def _call(self, method: str, **kwargs: Any) -> Any:
         return await self._runner.run(self.call_timeout, getattr(self.client, method), **kwargs)
@@ -146,15 +149,21 @@ class SqsSource(Source):
         When the queue already holds messages, returns once the first poll delivered
         some (at most ``start_wait`` s), so the caller's first ``receive`` sees them.
         """
-        if not self.queue_url:
-            self.queue_url = (await self._call("get_queue_url", QueueName=self.queue))["QueueUrl"]
-        attrs = (
-            await self._call(
-                "get_queue_attributes",
-                QueueUrl=self.queue_url,
-                AttributeNames=["RedrivePolicy", "ApproximateNumberOfMessages"],
-            )
-        ).get("Attributes", {})
+        try:
+            if not self.queue_url:
+                found = await self._call("get_queue_url", QueueName=self.queue)
+                self.queue_url = found["QueueUrl"]
+            attrs = (
+                await self._call(
+                    "get_queue_attributes",
+                    QueueUrl=self.queue_url,
+                    AttributeNames=["RedrivePolicy", "ApproximateNumberOfMessages"],
+                )
+            ).get("Attributes", {})
+        except Exception as exc:
+            if _is_missing_queue(exc):
+                raise StartupError(f"sqs queue {self.queue!r} does not exist") from None
+            raise
         if self.dlq_url is None:
             self.dlq_url = await self._redrive_target(attrs.get("RedrivePolicy"))
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="sqs-heartbeat")
@@ -185,6 +194,8 @@ class SqsSource(Source):
 
         A background long poll (``long_poll_seconds``, at most 10 messages) keeps
         running across calls, so a short ``timeout`` never turns into short polling.
+        Raises ``SourceUnavailableError`` while the last poll failed (SQS unreachable):
+        the worker rides that out within its outage budget.
         """
         deadline = time.monotonic() + timeout
         while not self._closed:
@@ -194,6 +205,9 @@ class SqsSource(Source):
                 while self._buffer and len(out) < max_messages:
                     out.append(self._buffer.popleft())
                 return out
+            if self._poll_error is not None:
+                self._ensure_poll(max_messages)  # the next try (after a short backoff)
+                raise SourceUnavailableError(f"sqs receive failed: {self._poll_error}")
             self._ensure_poll(max_messages)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -240,15 +254,16 @@ class SqsSource(Source):
         with self._arrival_lock:
             try:
                 raws = fut.result()
-                failed = False
+                error: BaseException | None = None
             except Exception as exc:
                 log.warning("sqs receive failed: %r", exc)
-                raws, failed = [], True
+                raws, error = [], exc
             if self._closed:
                 self._release_sync(raws)
                 return
             self._arrived.extend(raws)
-            self._poll_failed = failed
+            self._poll_failed = error is not None
+            self._poll_error = error
         with contextlib.suppress(RuntimeError):  # the loop is gone: close() handles it
             loop.call_soon_threadsafe(self._on_poll_done)
 
@@ -314,14 +329,29 @@ class SqsSource(Source):
                 batch = [self._deletes.popleft() for _ in range(min(MAX_BATCH, len(self._deletes)))]
                 self._delete_busy = True
                 try:
-                    await self._delete_batch([m for m, _ in batch])
+                    await self._delete_with_retries([m for m, _ in batch])
                 finally:
                     self._delete_busy = False
                     for _, done in batch:
                         if not done.done():
                             done.set_result(None)
 
-    async def _delete_batch(self, msgs: list[Message]) -> None:
+    async def _delete_with_retries(self, msgs: list[Message]) -> None:
+        # A failed call is retried (SQS briefly unreachable): an undeleted message would
+        # come back after its visibility timeout and be served again for nothing. Past
+        # that timeout its receipt is stale anyway; at close, one more try is enough.
+        give_up_at = time.monotonic() + self.visibility_timeout
+        delay = 0.2
+        while not await self._delete_batch(msgs):
+            if self._closing or time.monotonic() + delay > give_up_at:
+                log.warning("sqs delete of %d messages given up: they come back after their "
+                            "visibility timeout and are absorbed as duplicates", len(msgs))
+                return
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 5.0)
+
+    async def _delete_batch(self, msgs: list[Message]) -> bool:
+        """One DeleteMessageBatch call; False when the call itself failed."""
         entries = [
             {"Id": str(n), "ReceiptHandle": m.handle.receipt_handle} for n, m in enumerate(msgs)
         ]
@@ -332,7 +362,7 @@ class SqsSource(Source):
             )
         except Exception as exc:
             log.warning("sqs delete of %d messages failed: %r", len(msgs), exc)
-            return
+            return False
         for failed in resp.get("Failed", []):
             # Expired receipt: another worker owns it now and will hit the sink's 412.
             log.warning(
@@ -340,6 +370,7 @@ class SqsSource(Source):
                 msgs[int(failed["Id"])].message_id,
                 failed.get("Message"),
             )
+        return True
 
     async def abandon(self, msg: Message) -> None:
         """Make ``msg`` visible again (visibility 0): redelivered, never deleted.
@@ -436,6 +467,7 @@ class SqsSource(Source):
         """Stop heartbeats and make every message still in flight visible again; idempotent."""
         if self._closed:
             return
+        self._closing = True
         poll = self._poll
         if poll is not None and not poll.done():
             # On a busy queue the poll returns within milliseconds: wait a moment so its
@@ -518,6 +550,13 @@ class SqsSource(Source):
                     self.visibility_timeout,
                 )
             next_at = max(started + self.heartbeat_interval, time.monotonic())
+
+
+def _is_missing_queue(exc: BaseException) -> bool:
+    response = getattr(exc, "response", None)
+    code = str((response or {}).get("Error", {}).get("Code", "")) if isinstance(
+        response, dict) else ""
+    return code in ("AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist")
 
 
 def open_source(uri: str, settings: Any) -> SqsSource:

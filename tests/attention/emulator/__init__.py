@@ -30,16 +30,27 @@ def compiler() -> str | None:
     return shutil.which("g++")
 
 
-def build(decode_instances: list[tuple[int, int, int]]) -> ctypes.CDLL:
-    """Compile the emulator with these ``(dtype code, head dim, head tile)`` decode kernels
-    (cached by content hash in the temp dir) and load it."""
+def build(
+    decode_instances: list[tuple[int, int, int]] = (),  # type: ignore[assignment]
+    tc_decode: list[tuple[int, int, int, int]] = (),  # type: ignore[assignment]
+    tc_prefill: list[tuple[int, int, int]] = (),  # type: ignore[assignment]
+    defines: list[str] = (),  # type: ignore[assignment]
+) -> ctypes.CDLL:
+    """Compile the emulator with these kernels (cached by content hash in the temp dir) and
+    load it: legacy decode ``(dtype code, head dim, head tile)``, tensor-core decode
+    ``(dtype code, kv8, head dim, NT)`` and tensor-core prefill ``(dtype code, kv8, head
+    dim)``. The cache ops and the self-test kernels are always in. ``defines`` are extra
+    ``-D`` macros (tests build deliberately broken variants with them)."""
     inc = "".join(f"QW_DECODE({dt}, {d}, {gt})\n" for dt, d, gt in decode_instances)
-    digest = hashlib.sha256(inc.encode())
+    inc += "".join(f"QW_DECODE_TC({dt}, {k}, {d}, {nt})\n" for dt, k, d, nt in tc_decode)
+    inc += "".join(f"QW_PREFILL_TC({dt}, {k}, {d})\n" for dt, k, d in tc_prefill)
+    digest = hashlib.sha256((inc + "|".join(defines)).encode())
     for path in (
         HERE / "cuda_emu.h",
         HERE / "emu_kernels.cpp",
-        CUDA_DIR / "paged_attention.cu",
-        CUDA_DIR / "cache_ops.cu",
+        HERE / "selftest.cpp",
+        *sorted(CUDA_DIR.glob("*.cu")),
+        *sorted(CUDA_DIR.glob("*.cuh")),
     ):
         digest.update(path.read_bytes())
     out_dir = Path(tempfile.gettempdir()) / f"qworker_emu_{digest.hexdigest()[:16]}"
@@ -57,6 +68,7 @@ def build(decode_instances: list[tuple[int, int, int]]) -> ctypes.CDLL:
             "-fPIC",
             "-pthread",
             "-Wno-unknown-pragmas",
+            *[f"-D{d}" for d in defines],
             "-x",
             "c++",
             str(HERE / "emu_kernels.cpp"),
@@ -66,7 +78,9 @@ def build(decode_instances: list[tuple[int, int, int]]) -> ctypes.CDLL:
             "-o",
             str(tmp),
         ]
-        subprocess.run(cmd, check=True, capture_output=True, text=True)
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"emulator build failed:\n{done.stderr[-6000:]}")
         tmp.replace(lib)
     dll = ctypes.CDLL(str(lib))
     dll.qw_emu_run.restype = ctypes.c_int

@@ -15,6 +15,9 @@
 
 #include "paged_attention.cu"
 #include "cache_ops.cu"
+#include "paged_decode_tc.cu"
+#include "paged_prefill_tc.cu"
+#include "selftest.cpp"
 
 namespace {
 
@@ -38,6 +41,10 @@ int run(void (*k)(P...), dim3 grid, dim3 block, size_t smem, int nargs, void** a
     }
   }
   qw_emu_launch(grid, block, smem, [&] { call_with(k, args, std::index_sequence_for<P...>{}); });
+  if (!qw_emu.error.empty()) {
+    std::fprintf(stderr, "emu: %s\n", qw_emu.error.c_str());
+    return -3;
+  }
   return 0;
 }
 
@@ -47,6 +54,14 @@ int run(void (*k)(P...), dim3 grid, dim3 block, size_t smem, int nargs, void** a
   if (name == "paged_attention_decode<" #DT ", " #D ", " #GT ">") return run(&paged_attention_decode<DT, D, GT>, g, b, smem, nargs, args, sizes);
 #define QW_REDUCE(DT) \
   if (name == "paged_attention_reduce<" #DT ">") return run(&paged_attention_reduce<DT>, g, b, smem, nargs, args, sizes);
+#define QW_DECODE_TC(DT, KV8, D, NT) \
+  if (name == "paged_decode_tc<" #DT ", " #KV8 ", " #D ", " #NT ">") return run(&paged_decode_tc<DT, KV8, D, NT>, g, b, smem, nargs, args, sizes);
+#define QW_PREFILL_TC(DT, KV8, D) \
+  if (name == "paged_prefill_tc<" #DT ", " #KV8 ", " #D ">") return run(&paged_prefill_tc<DT, KV8, D>, g, b, smem, nargs, args, sizes);
+#define QW_CACHE_FP8(DT) \
+  if (name == "reshape_and_cache_fp8<" #DT ">") return run(&reshape_and_cache_fp8<DT>, g, b, smem, nargs, args, sizes);
+#define QW_SELFTEST(NAME, ...) \
+  if (name == NAME) return run(&__VA_ARGS__, g, b, smem, nargs, args, sizes);
 #define QW_CACHE(U) \
   if (name == "reshape_and_cache<" #U ">") return run(&reshape_and_cache<U>, g, b, smem, nargs, args, sizes);
 
@@ -63,6 +78,19 @@ extern "C" int qw_emu_run(const char* cname, unsigned gx, unsigned gy, unsigned 
   QW_CACHE(4)
   QW_CACHE(16)
   if (name == "copy_blocks") return run(&copy_blocks, g, b, smem, nargs, args, sizes);
+  QW_CACHE_FP8(0)
+  QW_CACHE_FP8(1)
+  QW_CACHE_FP8(2)
+  QW_SELFTEST("qw_test_ldmatrix<1, 0>", qw_test_ldmatrix<1, 0>)
+  QW_SELFTEST("qw_test_ldmatrix<1, 1>", qw_test_ldmatrix<1, 1>)
+  QW_SELFTEST("qw_test_ldmatrix<2, 0>", qw_test_ldmatrix<2, 0>)
+  QW_SELFTEST("qw_test_ldmatrix<2, 1>", qw_test_ldmatrix<2, 1>)
+  QW_SELFTEST("qw_test_ldmatrix<4, 0>", qw_test_ldmatrix<4, 0>)
+  QW_SELFTEST("qw_test_ldmatrix<4, 1>", qw_test_ldmatrix<4, 1>)
+  QW_SELFTEST("qw_test_mma<1>", qw_test_mma<1>)
+  QW_SELFTEST("qw_test_mma<2>", qw_test_mma<2>)
+  QW_SELFTEST("qw_test_cp_async", qw_test_cp_async)
+  QW_SELFTEST("qw_test_convert", qw_test_convert)
   std::fprintf(stderr, "emu: kernel %s not built\n", cname);
   return -1;
 }

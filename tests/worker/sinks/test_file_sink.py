@@ -1,4 +1,4 @@
-"""The file:// sink: write-then-link, first write wins, collect (sinks/file.py)."""
+"""The file:// sink: write-then-link, first write wins, fingerprints, collect (sinks/file.py)."""
 
 from __future__ import annotations
 
@@ -8,25 +8,55 @@ from pathlib import Path
 import pytest
 
 from qworker.worker.sinks import collect, open_sink, sink_prefix
+from qworker.worker.sinks.base import PutResult
 from qworker.worker.sinks.file import FileSink
 
 
 def test_first_write_wins_and_a_second_put_is_a_duplicate(tmp_path: Path) -> None:
     sink = FileSink(tmp_path)
 
-    async def main() -> tuple[bool, bool]:
+    async def main() -> tuple[PutResult, PutResult]:
         return await sink.put("b/k.json", b"one"), await sink.put("b/k.json", b"two")
 
-    assert asyncio.run(main()) == (True, False)
+    assert asyncio.run(main()) == (PutResult(True), PutResult(False))
     assert (tmp_path / "b" / "k.json").read_bytes() == b"one"
     assert [p.name for p in (tmp_path / "b").iterdir()] == ["k.json"]  # no temp files left
+
+
+def test_the_stored_fingerprint_comes_back_on_a_second_put(tmp_path: Path) -> None:
+    sink = FileSink(tmp_path)
+
+    async def main() -> list[PutResult]:
+        return [await sink.put("b/k.json", b"one", "fp-a"),
+                await sink.put("b/k.json", b"again", "fp-a"),
+                await sink.put("b/k.json", b"other", "fp-b")]
+
+    assert asyncio.run(main()) == [PutResult(True), PutResult(False, "fp-a"),
+                                   PutResult(False, "fp-a")]
+    assert (tmp_path / "b" / "k.json").read_bytes() == b"one"
+    assert (tmp_path / "b" / "_fingerprints" / "k.json").read_text() == "fp-a"
+    assert list(collect(f"file://{tmp_path}", "b", None)) == [b"one"]  # type: ignore[arg-type]
+
+
+def test_a_missing_record_behind_its_own_fingerprint_is_written_by_the_same_request(
+    tmp_path: Path,
+) -> None:
+    # A writer that died between linking the fingerprint and the record: the same request
+    # (a redelivery) completes the write, a different one is told whose key it is.
+    (tmp_path / "b" / "_fingerprints").mkdir(parents=True)
+    (tmp_path / "b" / "_fingerprints" / "k.json").write_text("fp-a")
+    sink = FileSink(tmp_path)
+    assert sink.put_sync("b/k.json", b"other", "fp-b") == PutResult(False, "fp-a")
+    assert sink.put_sync("b/k.json", b"one", "fp-a") == PutResult(True)
+    assert (tmp_path / "b" / "k.json").read_bytes() == b"one"
 
 
 def test_concurrent_puts_of_one_key_store_exactly_one(tmp_path: Path) -> None:
     sink = FileSink(tmp_path)
 
     async def main() -> list[bool]:
-        return list(await asyncio.gather(*(sink.put("b/k.json", b"%d" % i) for i in range(8))))
+        puts = await asyncio.gather(*(sink.put("b/k.json", b"%d" % i) for i in range(8)))
+        return [p.written for p in puts]
 
     assert sorted(asyncio.run(main())) == [False] * 7 + [True]
 

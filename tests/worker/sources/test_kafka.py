@@ -171,6 +171,10 @@ def test_dead_letter_goes_to_the_dlq_topic_with_a_reason_and_counts_as_done(
         assert record.key == b"bad"
         headers = dict(record.headers)
         assert headers[DLQ_REASON_HEADER] == b"not a JSON object"
+        # Where it came from, so readers can drop the repeats of an at-least-once DLQ.
+        assert headers["qworker-source-topic"] == topic.encode()
+        assert headers["qworker-source-partition"] == b"0"
+        assert headers["qworker-source-offset"] == b"0"
 
     asyncio.run(go())
 

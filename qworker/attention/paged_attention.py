@@ -1,0 +1,144 @@
+"""The attention layer every model calls, bound to its slice of the paged KV pool.
+
+A model builds one ``PagedAttention`` per decoder layer with what the layer knows
+(heads, head size, scale, sliding window, layer index). The model runner binds every
+layer to its cache slice and the attention backend once (``bind_kv_cache``, again
+after the pool is reallocated), and wraps each forward in ``forward_context(meta)``,
+which carries the step's ``AttentionMetadata`` — built once per step, shared by every
+layer. A layer with its own sliding window gets the step's metadata with that window,
+derived once per step and window (Qwen2-style models mix windowed and full layers).
+
+So no model threads ``(kv_cache, meta, backend)`` through its forwards, and the cache
+write plus attention call live here only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from qworker.attention.backend import AttentionBackend, AttentionMetadata, KVCache
+
+
+class _State(threading.local):
+    meta: AttentionMetadata | None = None
+    by_window: dict[int | None, AttentionMetadata] | None = None
+    plans: dict[int | None, Any] | None = None
+
+
+_STATE = _State()
+
+
+@contextlib.contextmanager
+def forward_context(meta: AttentionMetadata,
+                    decode_plans: dict[int | None, Any] | None = None
+                    ) -> Iterator[AttentionMetadata]:
+    """Make ``meta`` the current step's metadata for every ``PagedAttention`` layer (this
+    thread) until the block ends; contexts nest (the outer one is restored).
+
+    ``decode_plans`` (CUDA-graph capture) gives each sliding window its fixed decode
+    launch plan (``AttentionMetadata.decode_plan``)."""
+    saved = (_STATE.meta, _STATE.by_window, _STATE.plans)
+    _STATE.meta, _STATE.by_window, _STATE.plans = meta, {}, decode_plans
+    try:
+        yield meta
+    finally:
+        _STATE.meta, _STATE.by_window, _STATE.plans = saved
+
+
+def current_metadata(sliding_window: int | None) -> AttentionMetadata:
+    """The current step's metadata for a layer with ``sliding_window`` (None: full)."""
+    by_window = _STATE.by_window
+    if by_window is None or _STATE.meta is None:
+        raise RuntimeError("PagedAttention called outside forward_context(): the model "
+                           "runner sets the step's metadata around each forward")
+    meta = by_window.get(sliding_window)
+    if meta is None:
+        # Tensors are shared: only the window (and its fixed plan) differs, made once per
+        # step and window.
+        meta = _STATE.meta
+        plans = _STATE.plans
+        if plans is not None:
+            meta = dataclasses.replace(meta, sliding_window=sliding_window,
+                                       decode_plan=plans.get(sliding_window))
+        elif meta.sliding_window != sliding_window:
+            meta = dataclasses.replace(meta, sliding_window=sliding_window)
+        by_window[sliding_window] = meta
+    return meta
+
+
+class PagedAttention(nn.Module):
+    """Write this step's K/V into the layer's cache slice, then attend over the pages.
+
+    ``scale`` multiplies the query-key dot products (``head_dim ** -0.5`` for most
+    models; 1.0 where the model pre-scales its queries, as OPT does). The layer holds no
+    parameters; its cache and backend come from ``bind_kv_cache``.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 layer_idx: int, sliding_window: int | None = None) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{num_heads} query heads are not a multiple of "
+                             f"{num_kv_heads} KV heads")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.layer_idx = layer_idx
+        self.sliding_window = sliding_window
+        self.key_cache: torch.Tensor | None = None
+        self.value_cache: torch.Tensor | None = None
+        self.backend: AttentionBackend | None = None
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+                ) -> torch.Tensor:
+        """``query`` ``[T, Hq * D]`` (or ``[T, Hq, D]``), ``key``/``value`` ``[T, Hkv * D]``;
+        returns ``[T, Hq * D]`` in the query's dtype."""
+        backend, key_cache, value_cache = self.backend, self.key_cache, self.value_cache
+        if backend is None or key_cache is None or value_cache is None:
+            raise RuntimeError(f"attention layer {self.layer_idx} has no KV cache: the "
+                               "model runner binds one with bind_kv_cache()")
+        meta = current_metadata(self.sliding_window)
+        num_tokens = query.shape[0]
+        q = query.view(num_tokens, self.num_heads, self.head_dim)
+        k = key.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = value.view(num_tokens, self.num_kv_heads, self.head_dim)
+        backend.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+        out = backend.forward(q, key_cache, value_cache, meta, self.scale)
+        return out.view(num_tokens, self.num_heads * self.head_dim)
+
+    def extra_repr(self) -> str:
+        return (f"layer={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, window={self.sliding_window}")
+
+
+def attention_layers(model: nn.Module) -> list[PagedAttention]:
+    """The model's ``PagedAttention`` layers, in layer order."""
+    layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
+    return sorted(layers, key=lambda m: m.layer_idx)
+
+
+def bind_kv_cache(model: nn.Module, kv_cache: KVCache, backend: AttentionBackend) -> None:
+    """Point every attention layer of ``model`` at its slice of ``kv_cache`` and at
+    ``backend`` (call again after the pool is reallocated)."""
+    layers = attention_layers(model)
+    if len(layers) != kv_cache.key.shape[0]:
+        raise ValueError(f"the model has {len(layers)} attention layers, the KV pool "
+                         f"{kv_cache.key.shape[0]}")
+    for layer in layers:
+        layer.key_cache = kv_cache.key[layer.layer_idx]
+        layer.value_cache = kv_cache.value[layer.layer_idx]
+        layer.backend = backend
+
+
+def unbind_kv_cache(model: nn.Module) -> None:
+    """Drop every attention layer's references to the pool (so it can be freed)."""
+    for layer in attention_layers(model):
+        layer.key_cache = layer.value_cache = None

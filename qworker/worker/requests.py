@@ -1,0 +1,145 @@
+"""One job's way into and out of the engine, shared by ``qworker run`` and ``qworker generate``.
+
+``prepare`` turns a raw message into a job the engine can take at once (parsed,
+tokenized once, validated: an over-long prompt is rejected here, before admission) or
+into its outcome without the engine: a dead letter or an error record. ``record_for``
+turns what the engine returned into the job's result line. Both are plain CPU work:
+the worker runs them on a thread pool, never on its event loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from qworker.engine.outputs import RequestOutput
+from qworker.errors import BatchExpiredError, EngineError, QworkerError
+from qworker.schema import Job, JobKind, error_record_for, parse_job, success_record
+from qworker.schema.jobs import logprob_volume_error
+from qworker.worker.engine_thread import EngineLike
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A valid job with its prompt already tokenized and checked against the engine.
+
+    ``text`` is the prompt text (None for chat jobs and token-id prompts);
+    ``solo_failures`` counts engine steps that failed while it ran alone, and
+    ``completions_seen`` how many jobs the worker had completed at the first of them.
+    """
+
+    job: Job
+    text: str | None
+    token_ids: list[int]
+    fingerprint: str | None = None
+    solo_failures: int = 0
+    completions_seen: int = 0
+
+
+@dataclass(slots=True)
+class Unserved:
+    """A message that never reaches the engine: a dead letter, or a job with an error record.
+
+    Exactly one of ``dead_letter`` (the reason) and ``record`` is set.
+    """
+
+    custom_id: str | None
+    batch_id: str | None
+    record: dict[str, Any] | None = None
+    dead_letter: str | None = None
+    fingerprint: str | None = None
+    code: str = ""
+
+
+def prepare(engine: EngineLike, body: bytes, max_job_bytes: int,
+            now: float | None = None) -> Prepared | Unserved:
+    """Parse, validate and tokenize one message (never raises)."""
+    parsed = parse_job(body, max_job_bytes)
+    fingerprint = parsed.fingerprint
+    if parsed.dead_letter is not None:
+        return Unserved(parsed.custom_id, parsed.batch_id, dead_letter=parsed.dead_letter,
+                        code="dead_letter")
+    if parsed.job is None:
+        exc = parsed.error or QworkerError("unparseable job")
+        return _unserved(parsed.custom_id or "", parsed.batch_id, exc, None, fingerprint)
+    job = parsed.job
+    expired = expired_error(job, now)
+    if expired is not None:
+        return _unserved(job.custom_id, job.batch_id, expired, job.metadata, fingerprint)
+    try:
+        text, token_ids = encode(engine, job)
+    except Exception as exc:  # no tokenizer / template, too long: the job's record says so
+        return _unserved(job.custom_id, job.batch_id, exc, job.metadata, fingerprint)
+    if job.want_logprobs and job.params.max_tokens is None:
+        # Unbounded output: the cap applies to what the context leaves room for.
+        room = max(1, engine.max_model_len - len(token_ids))
+        too_many = logprob_volume_error(job.params.n, room, job.top_logprobs)
+        if too_many is not None:
+            return _unserved(job.custom_id, job.batch_id, too_many, job.metadata, fingerprint)
+    return Prepared(job, text, token_ids, fingerprint)
+
+
+def _unserved(custom_id: str, batch_id: str | None, exc: BaseException,
+              metadata: dict[str, Any] | None, fingerprint: str | None) -> Unserved:
+    record = error_record_for(custom_id, batch_id, exc, metadata)
+    code = exc.code if isinstance(exc, QworkerError) else "engine_error"
+    return Unserved(custom_id, batch_id, record=record, fingerprint=fingerprint, code=code)
+
+
+def encode(engine: EngineLike, job: Job) -> tuple[str | None, list[int]]:
+    """``(prompt text or None, token ids)`` of ``job``, validated by the engine.
+
+    Chat messages go through the tokenizer's chat template. Raises the engine's
+    ``InvalidRequestError`` / ``ContextLengthExceededError``.
+    """
+    if job.kind is JobKind.CHAT:
+        ids = engine.encode_chat(job.messages or [])
+        _, token_ids = engine.validate_prompt(ids, job.params)
+        return None, token_ids
+    return engine.validate_prompt(job.prompt or "", job.params)
+
+
+def expired_error(job: Job, now: float | None = None) -> BatchExpiredError | None:
+    """The ``batch_expired`` error of a job whose deadline passed before it started."""
+    if job.deadline is not None and job.deadline <= (time.time() if now is None else now):
+        return BatchExpiredError(f"deadline {job.deadline:.0f} passed before the job started")
+    return None
+
+
+def record_for(
+    job: Job,
+    output: RequestOutput,
+    model: str,
+    decode: Callable[[int], str] | None,
+    expired: bool = False,
+) -> dict[str, Any]:
+    """The result line of a job the engine returned.
+
+    ``expired``: the caller aborted it because its deadline passed (``batch_expired``).
+    Any other abort, or an engine error, is an ``engine_error``.
+    """
+    if expired:
+        exc: QworkerError = BatchExpiredError(
+            f"deadline {job.deadline:.0f} passed while generating")
+    elif output.error is not None:
+        exc = EngineError(output.error)
+    elif any(c.finish_reason == "abort" for c in output.outputs):
+        exc = EngineError("request aborted by the engine")
+    else:
+        return success_record(job, output, model, decode)
+    return error_record_for(job.custom_id, job.batch_id, exc, job.metadata)
+
+
+def engine_error_record(job: Job, message: str) -> dict[str, Any]:
+    """The ``engine_error`` line of a job that kept failing the engine on its own."""
+    return error_record_for(job.custom_id, job.batch_id, EngineError(message), job.metadata)
+
+
+def token_decoder(engine: EngineLike) -> Callable[[int], str] | None:
+    """One token id to its text (for logprobs), or None without a tokenizer."""
+    tokenizer = engine.tokenizer
+    if tokenizer is None:
+        return None
+    return lambda tid: tokenizer.decode([tid])
