@@ -129,6 +129,28 @@ def test_n_siblings_each_follow_their_grammar_and_seeds_reproduce(tiny_chat_mode
     assert _texts([first]) == _texts([again]) == _texts([crowd[2]])
 
 
+def test_overlapped_steps_give_the_same_constrained_and_free_answers(tiny_chat_model_dir: Path
+                                                                    ) -> None:
+    # A step holding a constrained row waits for the previous step's tokens (its grammar
+    # needs them on the host); once the constrained answers are done the rest overlap.
+    code = StructuredOutputsParams(regex=r"[A-Z]{2}-[0-9]{3}")
+    params = [_json(temperature=0), _json(temperature=1.0, seed=9, frequency_penalty=0.5),
+              SamplingParams(temperature=1.0, seed=5, max_tokens=10, structured_outputs=code),
+              SamplingParams(temperature=0.9, seed=2, max_tokens=90, ignore_eos=True,
+                             presence_penalty=1.0),
+              SamplingParams(temperature=0, max_tokens=90, ignore_eos=True)]
+    results = []
+    for overlap in (False, True):
+        llm = _llm(tiny_chat_model_dir)
+        llm.engine.async_scheduling = overlap  # the CPU default is off; the logic is the same
+        results.append(_texts(llm.generate([PROMPT] * 5, params, use_tqdm=False)))
+        if overlap:
+            assert llm.engine.num_overlapped_steps > 0
+    assert results[0] == results[1]
+    for texts in results[0][:2]:
+        _valid(texts[0])
+
+
 def test_prefix_cached_prompts_get_the_same_constrained_answer(tiny_chat_model_dir: Path) -> None:
     llm = _llm(tiny_chat_model_dir, block_size=8)
     prompt = "A longer instruction that fills a few KV blocks before the answer: "
