@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -204,3 +205,23 @@ def test_bad_engine_settings_are_refused_by_name(tiny_llama_dir: Path) -> None:
         with pytest.raises(ValueError, match=field if field != "attention_backend" else "cuda"):
             Engine(EngineConfig(model=str(tiny_llama_dir), device="cpu", num_kv_blocks=8,
                                 max_model_len=64, **{field: value}))
+
+
+def test_queue_time_ends_when_blocks_are_given_not_at_the_first_token(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    execute = engine.runner.execute
+
+    def slow_execute(*args: object, **kwargs: object) -> object:
+        time.sleep(0.05)  # the forward lies between scheduling and the first token
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "execute", slow_execute)
+    engine.add_request("q", [1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=2))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    m = outs[0].metrics
+    assert m.first_scheduled_time is not None and m.first_token_time is not None
+    assert m.arrival_time <= m.first_scheduled_time
+    assert m.first_token_time - m.first_scheduled_time >= 0.05
