@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from qworker.engine.device_copy import to_device
 from qworker.engine.penalties import TokenCounts
 from qworker.engine.sampler_output import SamplerOutput
 from qworker.engine.sampling_params import SamplingParams
@@ -135,7 +136,10 @@ class Sampler:
             output_positions = [s.num_output_tokens for s in seqs]
         pos = np.asarray(output_positions, dtype=np.int64)
         lp_rows = [i for i, r in enumerate(rows) if r.logprobs >= 0]
-        raw_lp = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
+        lp_idx = raw_lp = None
+        if lp_rows:
+            lp_idx = to_device(lp_rows, dev, np.int64)
+            raw_lp = torch.log_softmax(logits.index_select(0, lp_idx), dim=-1)
 
         pen_rows = [i for i, r in enumerate(rows) if r.penalized]
         masks = self._grammar.masks(seqs) if self._grammar is not None else None
@@ -156,7 +160,7 @@ class Sampler:
             allowed = unpack_allowed(masks.words, vocab, dev)
             index = masks.index
             if not (len(index) == allowed.shape[0] and (index == np.arange(len(index))).all()):
-                allowed = allowed.index_select(0, torch.from_numpy(index).to(dev))
+                allowed = allowed.index_select(0, to_device(index, dev))
             x = apply_token_bitmask(x, masks.rows, allowed)
             if dev.type == "cuda":
                 event = torch.cuda.Event()
@@ -166,16 +170,18 @@ class Sampler:
         tokens = x.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(rows) if r.temperature != 0.0]
         if random_rows:
-            tokens[random_rows] = self._draw(x[random_rows], [rows[i] for i in random_rows],
-                                             [seqs[i].index for i in random_rows],
-                                             pos[random_rows])
+            r_idx = to_device(random_rows, dev, np.int64)
+            tokens.index_copy_(0, r_idx, self._draw(
+                x.index_select(0, r_idx), [rows[i] for i in random_rows],
+                [seqs[i].index for i in random_rows], pos[random_rows]))
         if slots is not None and self._counts is not None:
-            self._counts.advance(slots, tokens[pen_rows])
+            self._counts.advance(slots, tokens.index_select(0, to_device(pen_rows, dev,
+                                                                         np.int64)))
         chosen = top_vals = top_ids = None
         ks = [rows[i].logprobs for i in lp_rows]
         if raw_lp is not None:
-            row_idx = torch.tensor(lp_rows, dtype=torch.long).to(dev)
-            chosen = raw_lp.gather(1, tokens[row_idx].unsqueeze(1)).squeeze(1)
+            assert lp_idx is not None
+            chosen = raw_lp.gather(1, tokens.index_select(0, lp_idx).unsqueeze(1)).squeeze(1)
             if max(ks):
                 top_vals, top_ids = raw_lp.topk(max(ks), dim=-1)
         return SamplerOutput(tokens, lp_rows, ks, chosen, top_vals, top_ids)
@@ -204,8 +210,7 @@ class Sampler:
             t_idx.extend(ids)
         if r_idx:
             dev = x.device
-            x.index_put_((torch.tensor(r_idx).to(dev), torch.tensor(t_idx).to(dev)),
-                         torch.tensor(float("-inf"), device=dev))
+            x[to_device(r_idx, dev, np.int64), to_device(t_idx, dev, np.int64)] = float("-inf")
 
     def _draw(self, x: torch.Tensor, rows: list[Any], index: list[int],
               pos: np.ndarray) -> torch.Tensor:
@@ -213,38 +218,38 @@ class Sampler:
         dev = x.device
         vocab = x.shape[1]
         temps = np.array([r.temperature for r in rows], dtype=np.float32)
-        x = x / torch.from_numpy(temps).to(dev).unsqueeze(1)
+        x = x / to_device(temps, dev).unsqueeze(1)
         ks = np.array([r.top_k if r.top_k < vocab else 0 for r in rows], dtype=np.int64)
         if ks.any():
             kmax = int(ks.max())
             kth = x.topk(kmax, dim=-1).values
-            k_t = torch.from_numpy(np.maximum(ks, 1) - 1).to(dev).unsqueeze(1)
+            k_t = to_device(np.maximum(ks, 1) - 1, dev).unsqueeze(1)
             thr = kth.gather(1, k_t)
-            thr = torch.where(torch.from_numpy(ks > 0).to(dev).unsqueeze(1), thr,
+            thr = torch.where(to_device(ks > 0, dev).unsqueeze(1), thr,
                               torch.full_like(thr, float("-inf")))
             x = x.masked_fill(x < thr, float("-inf"))  # ties at the k-th value stay (transformers)
         ps = np.array([r.top_p for r in rows], dtype=np.float32)
         p_rows = np.nonzero(ps < 1.0)[0]
         if len(p_rows):
-            p_idx = torch.from_numpy(p_rows).to(dev)
+            p_idx = to_device(p_rows, dev, np.int64)
             sub = x.index_select(0, p_idx)
             sorted_x, order = sub.sort(dim=-1, descending=True)
             probs = sorted_x.softmax(dim=-1)
             before = probs.cumsum(dim=-1) - probs  # mass of the better tokens
-            p_t = torch.from_numpy(ps[p_rows]).to(dev).unsqueeze(1)
+            p_t = to_device(ps[p_rows], dev).unsqueeze(1)
             sorted_x = sorted_x.masked_fill(before >= p_t, float("-inf"))  # keeps the best one
             x = x.index_copy(0, p_idx, torch.empty_like(sub).scatter_(1, order, sorted_x))
         probs = x.softmax(dim=-1)
         min_ps = np.array([r.min_p for r in rows], dtype=np.float32)
         if min_ps.any():
-            m_t = torch.from_numpy(min_ps).to(dev).unsqueeze(1)
+            m_t = to_device(min_ps, dev).unsqueeze(1)
             probs = probs.masked_fill(probs < probs.max(dim=-1, keepdim=True).values * m_t, 0.0)
         u = self._uniforms(rows, index, pos)
         cdf = probs.cumsum(dim=-1)
         # Scaled just below the row's total, u * total stays under the last CDF value even
         # after rounding, so the first CDF value above it belongs to a token with p > 0.
         total = cdf[:, -1:] * (1.0 - 2.0**-22)
-        target = torch.from_numpy(u).to(dev).unsqueeze(1) * total
+        target = to_device(u, dev).unsqueeze(1) * total
         return torch.searchsorted(cdf, target, right=True).clamp_(max=vocab - 1).squeeze(1)
 
     def _uniforms(self, rows: list[Any], index: list[int], pos: np.ndarray) -> np.ndarray:

@@ -309,3 +309,28 @@ def test_penalty_counts_include_a_token_still_in_flight() -> None:
     assert sampler.sample(logits, [seq]).token_ids == [5]  # 3 - 1 = 2 > 1.5
     seq.num_pending = 1  # drawn, not appended yet
     assert sampler.sample(logits, [seq], output_positions=[2]).token_ids == [8]  # 3 - 2 < 1.5
+
+
+@pytest.mark.gpu
+def test_cuda_sampling_never_waits_for_the_device() -> None:
+    # Every per-step array goes through pinned memory with non_blocking copies; the one
+    # device-to-host copy is started by to_host() and only awaited by token_ids.
+    logits = _logits(6, seed=22).cuda()
+    seqs = [_with_output([1, 2], [5], SamplingParams(temperature=0, repetition_penalty=1.2,
+                                                     presence_penalty=0.5)),
+            _with_output([1], [], SamplingParams(temperature=0, min_tokens=3, logprobs=2)),
+            _with_output([1], [9], SamplingParams(temperature=0.9, seed=4, top_k=5)),
+            _with_output([1], [9], SamplingParams(temperature=0.7, seed=5, top_p=0.8,
+                                                  min_p=0.05, frequency_penalty=1.0)),
+            _with_output([1], [9], SamplingParams(temperature=1.0)),
+            make_seq([1], SamplingParams(temperature=0))]
+    sampler = Sampler("cuda", eos_token_ids=[2])
+    assert len(sampler.sample(logits, seqs).token_ids) == 6  # warm-up: allocations, slots
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = sampler.sample(logits, seqs)
+        out.to_host()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert len(out.token_ids) == 6 and out.logprobs[1] is not None

@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from qworker.engine.device_copy import to_device
+
 _SHIFTS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -39,7 +41,6 @@ def apply_token_bitmask(logits: torch.Tensor, rows: np.ndarray,
     num_rows = logits.shape[0]
     if len(rows) != num_rows or not bool((rows == np.arange(num_rows)).all()):
         full = torch.ones(logits.shape, dtype=torch.bool, device=logits.device)
-        full.index_copy_(0, torch.from_numpy(rows).to(logits.device, non_blocking=True),
-                         allowed)
+        full.index_copy_(0, to_device(rows, logits.device, np.int64), allowed)
         allowed = full
     return torch.where(allowed, logits, float("-inf"))
