@@ -116,7 +116,8 @@ def test_produce_then_run_then_collect_over_files(tmp_path: Path) -> None:
     spool = f"file://{tmp_path}/spool.jsonl"
     assert (
         main(
-            ["produce", "-i", str(tmp_path / "batch.jsonl"), "--to", spool, "--batch-id", "nightly"]
+            ["produce", "-i", str(tmp_path / "batch.jsonl"), "--to", spool, "--batch-id", "nightly",
+             "--results", f"file://{tmp_path}/out"]
         )
         == 0
     )
