@@ -210,7 +210,10 @@ run_stage fixed_len "$T_FIXED" "$PYTHON" scripts/bench_fixed_len.py ${FIXED_MODE
 # machine's own, or the wheel carried in $QWORKER_GPU_DEPS (installed into a scratch dir).
 DEPS=${QWORKER_GPU_DEPS:-gpu_deps}
 if ! "$PYTHON" -c "import llguidance" 2>/dev/null; then
-  wheel=$(ls "$DEPS"/llguidance-*.whl 2>/dev/null | head -n 1 || true)
+  wheel=""
+  for candidate in "$DEPS"/llguidance-*.whl; do
+    [[ -f "$candidate" ]] && wheel=$candidate && break
+  done
   if [[ -n "$wheel" ]]; then
     # pip when the machine has it; a wheel is a zip, so unpacking it is the fallback
     "$PYTHON" -m pip install -q --no-index --no-deps --target "$WORK/pydeps" "$wheel" \
