@@ -2,7 +2,7 @@
 
 The public Python API mirrors vLLM's names::
 
-    from qworker import LLM, SamplingParams
+    from qworker import LLM, SamplingParams, StructuredOutputsParams
 
 Only the engine is imported here, so ``import qworker`` works on machines
 without the worker's dependencies (pydantic, aiokafka, boto3, orjson).
@@ -14,11 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 from qworker.engine.outputs import CompletionOutput, RequestOutput
 from qworker.engine.sampling_params import SamplingParams
+from qworker.engine.structured.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from qworker.engine.llm import LLM
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams",
+           "StructuredOutputsParams"]
 __version__ = "0.1.0"
 
 

@@ -101,6 +101,9 @@ def _settings_error(exc: ValidationError) -> str:
     for err in exc.errors():
         name = ".".join(str(p) for p in err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
+        if not name:  # a rule across settings (Kafka security): its message names them
+            lines.append(f"  {msg}")
+            continue
         lines.append(f"  {name} (--{name.replace('_', '-')} / QWORKER_{name.upper()}): {msg}")
     return "\n".join(lines)
 
@@ -174,6 +177,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Usage or configuration error: one line, exit 1 (docs/formats.md, "Exit codes").
         print(f"qworker {args.command}: {exc}", file=sys.stderr)
         return 1
+    except Exception as exc:
+        if not _is_aws_error(exc):
+            raise
+        # A missing bucket, denied access, no credentials, an unreachable endpoint.
+        print(f"qworker {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _is_aws_error(exc: BaseException) -> bool:
+    """True for botocore's errors (S3/SQS refused or unreachable), which are not bugs."""
+    try:
+        from botocore.exceptions import BotoCoreError, ClientError
+    except ImportError:
+        return False
+    return isinstance(exc, BotoCoreError | ClientError)
 
 
 def _run(args: argparse.Namespace, settings: WorkerSettings) -> int:

@@ -91,7 +91,7 @@ class WorkerSettings(EngineSettings):  # type: ignore[misc, valid-type]
     sink_outage_seconds: float = Field(
         300.0, description="how long the sink may keep failing before the worker gives up"
     )
-    # Failure budgets of the worker (docs/operations.md, "Exit codes").
+    # Failure budgets of the worker (docs/operations.md, "When something fails").
     source_outage_seconds: float = Field(
         300.0,
         description="how long the source or the dead-letter target may keep failing before "

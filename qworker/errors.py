@@ -22,7 +22,7 @@ class InvalidRequestError(QworkerError, ValueError):
 
 
 class ContextLengthExceededError(InvalidRequestError):
-    """The prompt (plus what must be generated) does not fit ``max_model_len``."""
+    """The prompt leaves no room in ``max_model_len`` for a generated token."""
 
     code = "context_length_exceeded"
 

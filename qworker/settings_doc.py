@@ -132,6 +132,7 @@ _GROUP_NOTES = {
 def render_configuration() -> str:
     """The whole of ``docs/configuration.md``."""
     parts = [_INTRO]
+    knobs = engine_knobs()
     for group, fields in settings_by_group().items():
         if not fields:
             continue
@@ -140,6 +141,9 @@ def render_configuration() -> str:
         parts.append("| --- | --- | --- | --- | --- | --- |\n")
         for name, info in fields:
             values = _type_text(info.annotation)
+            choices = knobs[name][1].choices if name in knobs else None
+            if choices is not None:  # e.g. block_size: an int of a few allowed values
+                values = " \\| ".join(f"`{c}`" for c in choices)
             if unit_of(name) == "bytes":
                 values = values.replace("integer or string", "integer or a size (`4GiB`)")
             parts.append(

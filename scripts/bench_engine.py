@@ -15,7 +15,10 @@ Workloads (``--workload``):
 * ``parallel``: parallel sampling n = 2, 4, 8 (siblings share prompt blocks with
   copy-on-write) vs n separate requests (prefix caching off for both): throughput in a
   pool that limits concurrency, and peak KV blocks in a pool roomy enough for all.
-* ``all``: the three in turn.
+* ``structured``: schema-constrained extraction jobs vs the same jobs unconstrained
+  with the same output lengths: per-output-token cost ratio and grammar compile time
+  (``scripts/bench_structured.py``; needs llguidance and a tokenizer).
+* ``all``: sharegpt, shared-prefix and parallel in turn.
 
 The model defaults to a random Llama built here (``--preset``: ``mini`` 4 layers of
 hidden 256 (~6M parameters), ``tiny`` ~16M parameters for CPU, ``small`` ~110M for
@@ -345,7 +348,8 @@ def common(args: argparse.Namespace, r: RunResult) -> dict[str, Any]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workload", choices=["sharegpt", "shared-prefix", "parallel", "all"],
+    p.add_argument("--workload",
+                   choices=["sharegpt", "shared-prefix", "parallel", "structured", "all"],
                    default="sharegpt", help="what to measure (default: sharegpt)")
     p.add_argument("--model", default=None,
                    help="HF model directory (default: build a random Llama of --preset)")
@@ -371,12 +375,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true",
                    help="plumbing check: CPU, fp32, tiny model, 16 requests, --quick")
     p.add_argument("--out", default=None, help="also append the JSON lines to this file")
+    p.add_argument("--output-len", type=int, default=96,
+                   help="structured: max_tokens of each answer (default 96)")
+    p.add_argument("--max-string", type=int, default=24,
+                   help="structured: maxLength given to the schemas' strings (default 24)")
+    p.add_argument("--tokenizer", default=None,
+                   help="structured: tokenizer dir for the random model (default: SmolLM2's)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="structured: runs of each variant, alternating; best counts (default 3)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="structured: sampling temperature of both runs (default 0, greedy)")
     args = p.parse_args(argv)
     if args.dry_run:
         args.device, args.dtype, args.quick = "cpu", "float32", True
         args.num_requests = min(args.num_requests, 16)
         args.model = None
         args.preset = "tiny"
+        args.output_len, args.rounds = min(args.output_len, 32), 1
     return args
 
 
@@ -385,6 +400,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
+        if args.workload == "structured":
+            from scripts.bench_structured import workload_structured
+
+            workload_structured(args, PRESETS, emit, Path(tmp))
+            return 0
         if args.model:
             args.dummy = False
         model = args.model or str(build_model(args.preset, Path(tmp) / "model", args.dummy))

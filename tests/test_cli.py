@@ -116,7 +116,8 @@ def test_produce_then_run_then_collect_over_files(tmp_path: Path) -> None:
     spool = f"file://{tmp_path}/spool.jsonl"
     assert (
         main(
-            ["produce", "-i", str(tmp_path / "batch.jsonl"), "--to", spool, "--batch-id", "nightly"]
+            ["produce", "-i", str(tmp_path / "batch.jsonl"), "--to", spool, "--batch-id", "nightly",
+             "--results", f"file://{tmp_path}/out"]
         )
         == 0
     )
@@ -169,6 +170,13 @@ def test_bad_settings_exit_1_with_a_clear_message(capsys) -> None:
     assert main(["run", "--source", "ftp://x/y"]) == 1  # configuration: do not retry
     err = capsys.readouterr().err
     assert "source (--source / QWORKER_SOURCE): source 'ftp://x/y' must be kafka://" in err
+
+
+def test_a_rule_across_settings_names_them_not_an_empty_flag(capsys) -> None:
+    assert main(["run", "--kafka-security-protocol", "SASL_SSL"]) == 1
+    err = capsys.readouterr().err
+    assert "  kafka_security_protocol=SASL_SSL needs kafka_sasl_mechanism" in err
+    assert "(-- / QWORKER_)" not in err
 
 
 def test_missing_source_file_exits_1_with_one_line(tmp_path: Path, capsys) -> None:

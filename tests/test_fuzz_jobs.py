@@ -55,7 +55,8 @@ def _bodies() -> st.SearchStrategy[dict[str, Any]]:
     fields = ["model", "max_tokens", "max_completion_tokens", "temperature",
               "top_p", "n", "seed", "stop", "logprobs", "top_logprobs", "top_k", "min_p",
               "ignore_eos", "tools", "stream", "response_format", "repetition_penalty",
-              "stop_token_ids"]
+              "stop_token_ids", "presence_penalty", "frequency_penalty", "min_tokens",
+              "structured_outputs", "guided_json", "guided_regex", "guided_choice"]
     messages = st.lists(
         st.fixed_dictionaries({}, optional={"role": st.sampled_from(["user", "system", "tool"])
                                             | json_values,

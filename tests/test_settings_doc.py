@@ -29,6 +29,13 @@ def test_every_setting_is_documented_with_its_variable_and_flag() -> None:
         assert f"| `{name}` | `QWORKER_{name.upper()}`<br>`--{name.replace('_', '-')}` |" in text
 
 
+def test_engine_knobs_with_a_few_allowed_values_list_them() -> None:
+    text = render_configuration()
+    block_size = next(line for line in text.splitlines() if line.startswith("| `block_size`"))
+    assert "| `8` \\| `16` \\| `32` |" in block_size
+    assert "| `auto` \\| `float32` \\| `bfloat16` \\| `float16` |" in text
+
+
 def test_units_and_groups() -> None:
     assert (unit_of("drain_seconds"), unit_of("kafka_session_timeout_ms")) == (
         "seconds", "milliseconds")

@@ -16,7 +16,7 @@ from typing import IO
 
 import orjson
 
-from qworker.batch.listing import scan_batch
+from qworker.batch.listing import BatchListing, scan_batch
 from qworker.batch.store import DEFAULT_WORKERS, BatchStore
 from qworker.schema import is_error_record
 
@@ -40,11 +40,15 @@ def collect_batch(
     errors: IO[bytes],
     progress: bool = True,
     workers: int = DEFAULT_WORKERS,
+    listing: BatchListing | None = None,
 ) -> CollectStats:
-    """Write every stored line of ``batch_id``; see the module docstring."""
+    """Write every stored line of ``batch_id``; see the module docstring.
+
+    ``listing``: the batch's ``scan_batch`` if the caller already made it.
+    """
     from tqdm import tqdm
 
-    listing = scan_batch(store, batch_id)
+    listing = listing or scan_batch(store, batch_id)
     stats = CollectStats(total=listing.manifest.total if listing.manifest else None)
     stats.unexpected = len(listing.unexpected)
     # Only what the listing saw: a mostly-missing batch costs no storm of 404s.

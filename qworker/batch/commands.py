@@ -20,6 +20,7 @@ STORAGE_FIELDS = ("s3_endpoint_url", "aws_region")
 PRODUCE_FIELDS = (
     "sqs_endpoint_url", "kafka_security_protocol", "kafka_sasl_mechanism",
     "kafka_sasl_username", "kafka_sasl_password", "kafka_ssl_cafile", "kafka_compression",
+    "max_job_bytes",
 )
 _SHOWN_MISSING = 20
 
@@ -81,7 +82,7 @@ def produce_command(args: argparse.Namespace, settings: Any) -> int:
     from qworker.worker.sources import produce
 
     with open_input(args.input, settings) as f:
-        manifest = scan_input(f, args.batch_id, args.input)
+        manifest = scan_input(f, args.batch_id, args.input, settings.max_job_bytes)
         manifest.to = args.to
         store = None
         if not args.no_manifest:
@@ -113,6 +114,10 @@ def status_command(args: argparse.Namespace, settings: Any) -> int:
                              "(no manifest and no results)")
         if args.wait is None or status["status"] == "completed":
             break
+        if not status["manifest"]:
+            print(json.dumps(status, indent=2))
+            raise ValueError(f"batch {args.batch_id} has no manifest, so it never reads as "
+                             "completed: --wait needs a batch sent by `qworker produce`")
         counts = status["request_counts"]
         print(f"status: {status['status']}: {counts['completed'] + counts['failed']}/"
               f"{counts['total']} done ({counts['failed']} failed)", file=sys.stderr)
@@ -130,13 +135,21 @@ def collect_command(args: argparse.Namespace, settings: Any) -> int:
 
     from qworker.batch.collect import collect_batch
     from qworker.batch.files import open_output
+    from qworker.batch.listing import scan_batch
     from qworker.batch.store import open_store
 
     store = open_store(args.from_uri, settings)
+    listing = scan_batch(store, args.batch_id)
+    if listing.manifest is None and not (listing.present or listing.unexpected
+                                         or listing.conflicts):
+        # before any output is opened: a mistyped batch id leaves earlier files alone
+        raise ValueError(f"no batch {args.batch_id!r} under {args.from_uri} "
+                         "(no manifest and no results)")
     with contextlib.ExitStack() as stack:
         out = stack.enter_context(open_output(args.output, settings))
         errors = stack.enter_context(open_output(args.errors, settings)) if args.errors else out
-        stats = collect_batch(store, args.batch_id, out, errors, not args.no_progress)
+        stats = collect_batch(store, args.batch_id, out, errors, not args.no_progress,
+                              listing=listing)
         if args.missing:
             missing = stack.enter_context(open_output(args.missing, settings))
             missing.write("".join(f"{cid}\n" for cid in stats.missing).encode())

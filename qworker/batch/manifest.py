@@ -71,9 +71,28 @@ class Manifest:
                    to=obj.get("to"), skipped_lines=int(obj.get("skipped_lines", 0)))
 
 
+class BatchExistsError(ValueError):
+    """The batch id already has a manifest listing other ``custom_id``s."""
+
+
 def write_manifest(store: BatchStore, manifest: Manifest) -> str:
-    """Store ``manifest`` beside the batch's results; return its key."""
+    """Store ``manifest`` beside the batch's results; return its key.
+
+    A manifest already stored for the batch id is kept when it lists the same
+    ``custom_ids`` in the same order (sending a file again; its ``created`` stays), and
+    refused with ``BatchExistsError`` when it lists others: replacing it would make the
+    earlier jobs' results "unexpected" and change the batch's total behind its back.
+    """
     key = manifest_key(store.prefix, manifest.batch_id)
+    stored = read_manifest(store, manifest.batch_id)
+    if stored is not None:
+        if stored.custom_ids != manifest.custom_ids:
+            raise BatchExistsError(
+                f"batch {manifest.batch_id!r} already has a manifest ({stored.total} jobs from "
+                f"{stored.input or 'another input'}) with other custom_ids; pass another "
+                "--batch-id (or --no-manifest to send without a manifest)"
+            )
+        manifest.created = stored.created
     store.put(key, manifest.to_json())
     return key
 
@@ -84,9 +103,14 @@ def read_manifest(store: BatchStore, batch_id: str) -> Manifest | None:
     return Manifest.from_json(data) if data is not None else None
 
 
+class JobTooLargeError(ValueError):
+    """A line of the input is larger than ``max_job_bytes``."""
+
+
 @dataclass(slots=True)
 class _Scan:
     ids: list[str] = field(default_factory=list)
+    oversize: list[tuple[int, int]] = field(default_factory=list)
     first_line: dict[str, int] = field(default_factory=dict)
     duplicates: list[tuple[str, int, int]] = field(default_factory=list)
     batch_ids: set[str | None] = field(default_factory=set)
@@ -94,16 +118,23 @@ class _Scan:
     skipped: int = 0
 
 
-def scan_input(f: IO[bytes], batch_id: str | None, input_name: str) -> Manifest:
+def scan_input(
+    f: IO[bytes], batch_id: str | None, input_name: str, max_job_bytes: int | None = None
+) -> Manifest:
     """First pass over a requests file: ids in order, duplicates refused, batch id settled.
 
     ``batch_id`` given: every job gets it. Not given: the jobs' own ``batch_id`` when they
     all carry the same one, a fresh ``batch_<uuid>`` when none does; a file mixing
     batch ids needs ``batch_id``. Lines that are not JSON objects with a string
     ``custom_id`` are counted in ``skipped_lines`` (they are still sent: the worker
-    dead-letters them).
+    dead-letters them). ``max_job_bytes``: a file with a job longer than that, as sent (its
+    batch id set), is refused (``JobTooLargeError``): the worker would answer it only with
+    an error, and a queue may not carry it at all.
     """
+    if batch_id is not None and not batch_id:
+        raise ValueError("--batch-id must not be empty (a job's batch_id is a non-empty string)")
     scan = _Scan()
+    fresh = new_batch_id()
     for line_no, raw in enumerate(f, 1):
         body = raw.strip()
         if not body:
@@ -112,6 +143,10 @@ def scan_input(f: IO[bytes], batch_id: str | None, input_name: str) -> Manifest:
             data = orjson.loads(body)
         except orjson.JSONDecodeError:
             data = None
+        if max_job_bytes is not None:
+            size = _sent_size(body, data, batch_id, fresh)
+            if size > max_job_bytes:
+                scan.oversize.append((line_no, size))
         cid = data.get("custom_id") if isinstance(data, dict) else None
         if not isinstance(cid, str) or not cid:
             scan.skipped += 1
@@ -134,16 +169,34 @@ def scan_input(f: IO[bytes], batch_id: str | None, input_name: str) -> Manifest:
             + (f" (and {more} more)" if more > 0 else "")
             + "; every custom_id must be unique within a batch (nothing was sent)"
         )
+    if scan.oversize:
+        shown = ", ".join(f"line {n} ({size} bytes)" for n, size in scan.oversize[:_SHOWN])
+        more = len(scan.oversize) - _SHOWN
+        raise JobTooLargeError(
+            f"{input_name}: {len(scan.oversize)} line(s) over max_job_bytes "
+            f"({max_job_bytes}): {shown}" + (f" (and {more} more)" if more > 0 else "")
+            + "; workers answer such jobs only with an error (if theirs allow more, pass "
+            "the same --max-job-bytes / QWORKER_MAX_JOB_BYTES here); nothing was sent"
+        )
     if batch_id is None:
         own_ids = scan.batch_ids - {None}
         if len(own_ids) > 1 or (own_ids and None in scan.batch_ids):
             raise ValueError(f"{input_name}: lines carry different batch_ids "
                              f"({sorted(map(str, scan.batch_ids))[:4]}); pass --batch-id")
-        batch_id = next(iter(own_ids)) if own_ids else new_batch_id()
+        batch_id = next(iter(own_ids)) if own_ids else fresh
     endpoint = next(iter(scan.endpoints)) if len(scan.endpoints) == 1 else None
     return Manifest(batch_id=batch_id, total=len(scan.ids), input=input_name,
                     created=int(time.time()), custom_ids=scan.ids, endpoint=endpoint,
                     skipped_lines=scan.skipped)
+
+
+def _sent_size(body: bytes, data: Any, batch_id: str | None, fresh: str) -> int:
+    """How long ``job_items`` makes this line: the batch id it gets may lengthen it."""
+    if not isinstance(data, dict):
+        return len(body)
+    own = data.get("batch_id")
+    target = batch_id if batch_id is not None else (own if isinstance(own, str) and own else fresh)
+    return len(body) if own == target else len(orjson.dumps({**data, "batch_id": target}))
 
 
 def job_items(f: IO[bytes], batch_id: str) -> Iterator[tuple[str | None, bytes]]:

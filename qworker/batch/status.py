@@ -5,7 +5,8 @@ The object has the fields of OpenAI's ``Batch`` (``id``, ``object: "batch"``,
 ``missing_count`` / ``missing`` (custom_ids without a result, first 100, input order),
 ``conflicts`` and ``unexpected`` (results for ids the manifest does not name). Status is
 ``completed`` once every id of the manifest has a result, else ``in_progress``; without
-a manifest the total is what is stored and the status stays ``in_progress``.
+a manifest the total is what is stored and the status stays ``in_progress``. With a
+manifest, ``request_counts`` count only the manifest's ids.
 
 Counting ``failed`` means reading each result once. Results never change after they
 are written (the first write wins), so what was read is remembered in a local cache
@@ -84,7 +85,10 @@ def batch_status(
         if body is not None:
             fetched.append((key, outcome_code(body)))
     cache.add(fetched)
-    codes = [cache.known[k] for k in keys if k in cache.known]
+    # With a manifest the counts are of its ids (so completed + failed <= total); results
+    # for other ids show in ``unexpected``.
+    counted = [k for k in keys if k in listing.present] if listing.manifest else keys
+    codes = [cache.known[k] for k in counted if k in cache.known]
     failed = sum(1 for c in codes if c)
     return _status_object(listing, uri, len(codes) - failed, failed)
 

@@ -125,6 +125,7 @@ class Engine:
                 f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} and at "
                 "least one token must be generated"
             )
+        self.sampler.validate(params)  # compiles a structured output grammar (cached)
         return text, ids
 
     def add_request(

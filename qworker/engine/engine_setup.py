@@ -187,7 +187,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         runner=runner,
         kv=kv,
         scheduler=scheduler,
-        sampler=Sampler(device),
+        sampler=Sampler(device, tokenizer, spec.vocab_size, eos),
         outputs=OutputProcessor(tokenizer, eos, max_model_len),
         max_concurrent_full_length_seqs=fit,
     )

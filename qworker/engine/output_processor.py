@@ -1,7 +1,8 @@
 """After sampling: append each new token, decide whether its sequence stops, and build
 the ``RequestOutput`` of a finished request.
 
-Stop checks in order: a ``stop_token_ids`` token, EOS (unless ``ignore_eos``), a stop
+Stop checks in order: a ``stop_token_ids`` token, EOS (unless ``ignore_eos``; with
+structured outputs EOS comes only when the grammar is complete and always stops), a stop
 string in the incrementally decoded text (cut from the text; ``finish_reason``
 "stop"), ``max_tokens``, and ``max_model_len`` (both "length").
 """
@@ -54,7 +55,9 @@ class OutputProcessor:
         if params.stop_token_ids and token in params.stop_token_ids:
             seq.stop_reason = token
             return SequenceStatus.FINISHED_STOPPED
-        if not params.ignore_eos and token in self.eos_token_ids:
+        if token in self.eos_token_ids and (
+            not params.ignore_eos or params.structured_outputs is not None
+        ):  # a constrained row draws EOS only once its grammar is complete
             return SequenceStatus.FINISHED_STOPPED
         if params.stop_strings and self.tokenizer is not None:
             new = append_new_text(self.tokenizer, seq)

@@ -1,46 +1,119 @@
-"""Turn one step's logits into next tokens, one row per sampling sequence.
+"""Turn one step's logits into next tokens, for any mix of per-row settings at once.
 
-Order of processing, as in ``transformers``: repetition penalty (over prompt and
-generated ids), then greedy argmax, or temperature, top-k, top-p, min-p and a draw.
-A draw is ``argmax(probs / q)`` with ``q ~ Exp(1)`` (an exact categorical sample);
-for a seeded request ``q`` comes from a generator seeded by (seed, completion index,
-index of the token being generated), so the draw does not depend on which other rows
-share the batch, nor on preemption. Unseeded rows draw from torch's global RNG.
+Order of processing: penalties (repetition, then presence/frequency; ``penalties``),
+``min_tokens`` (EOS and stop ids forbidden until reached), the grammar masks of
+constrained rows (``structured``), then greedy argmax, or temperature, top-k, top-p,
+min-p and a draw. Every stage is a few tensor ops over all the rows that need it; the
+per-row settings become arrays (numpy, from each request's precomputed ``RowParams``)
+and one small host-to-device copy, never a Python loop of torch ops.
+
+A draw inverts the row's CDF at one uniform number ``u``: exact categorical sampling
+with a single random number per row. For a seeded request ``u`` is a hash of (seed,
+completion index, index of the token being generated), so its draws do not depend on
+which other rows share the batch, nor on preemption; unseeded rows take ``u`` from
+torch's global generator (``torch.manual_seed`` / the engine's ``seed``).
 
 Log-probabilities are those of the model's raw distribution (``log_softmax`` of the
-unprocessed logits, vLLM's default); they are computed only for rows that ask.
+unprocessed logits, vLLM's default), computed only for rows that ask. Greedy rows
+without penalties, constraints or min_tokens are exactly ``logits.argmax(-1)``.
+
+The result keeps the token ids on the device (``SamplerOutput.token_ids_device``);
+the host gets them, with the logprobs, in one copy (``sampler_output``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from typing import Any
 
+import numpy as np
 import torch
 
+from qworker.engine.device_copy import to_device
+from qworker.engine.penalties import TokenCounts
+from qworker.engine.sampler_output import SamplerOutput
+from qworker.engine.sampling_params import SamplingParams
 from qworker.engine.sequence import Sequence
+from qworker.engine.structured.bitmask import apply_token_bitmask, unpack_allowed
+from qworker.errors import InvalidRequestError
 
-_SEED_MASK = (1 << 63) - 1
-
-
-@dataclass(slots=True)
-class SamplerOutput:
-    """Chosen token per row; for rows that asked, its raw logprob and the top-k dict."""
-
-    token_ids: list[int]
-    logprobs: list[float | None]
-    top_logprobs: list[dict[int, float] | None]
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
 
 
-def row_seed(seed: int, index: int, position: int) -> int:
-    """The generator seed of one draw: completion ``index``'s ``position``-th output token."""
-    return hash((seed, index, position)) & _SEED_MASK
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finalizer on a uint64 array (wrapping arithmetic)."""
+    x = (x ^ (x >> np.uint64(30))) * _M1
+    x = (x ^ (x >> np.uint64(27))) * _M2
+    return x ^ (x >> np.uint64(31))
+
+
+def seeded_uniforms(seeds: np.ndarray, index: np.ndarray, position: np.ndarray) -> np.ndarray:
+    """Uniform floats in [0, 1), one per row, a fixed function of (seed, index, position).
+
+    ``seeds`` are uint64 (a seed modulo 2**64); ``index`` the completion index within
+    its request; ``position`` the index of the output token being drawn.
+    """
+    with np.errstate(over="ignore"):
+        h = _mix64(seeds.astype(np.uint64) + _GOLDEN)
+        h = _mix64(h ^ (index.astype(np.uint64) * _GOLDEN + np.uint64(1)))
+        h = _mix64(h ^ (position.astype(np.uint64) * _M1 + np.uint64(2)))
+    return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
 class Sampler:
-    """Stateless sampler; ``sample`` handles any mix of per-row settings."""
+    """Batched sampler; ``sample`` handles any mix of per-row settings.
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    ``tokenizer``/``vocab_size``/``eos_token_ids`` are the model's; structured outputs
+    need the tokenizer (and the llguidance package, imported on first use).
+    """
+
+    def __init__(self, device: torch.device | str = "cpu", tokenizer: Any | None = None,
+                 vocab_size: int | None = None, eos_token_ids: list[int] | tuple[int, ...] = (),
+                 compile_timeout: float | None = None) -> None:
         self.device = torch.device(device)
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self._compile_timeout = compile_timeout
+        self._counts: TokenCounts | None = None
+        self._grammar: Any = None  # GrammarManager, built on the first structured request
+
+    # ---- request admission (any thread) -------------------------------------------------
+
+    def validate(self, params: SamplingParams) -> None:
+        """Compile ``params``' structured output spec (cached), or raise
+        ``InvalidRequestError`` naming the problem; nothing to do for other params."""
+        if params.structured_outputs is not None:
+            self._grammar_manager().validate(params.structured_outputs)
+
+    def _grammar_manager(self) -> Any:
+        if self._grammar is None:
+            from qworker.engine.structured.backend import DEFAULT_COMPILE_TIMEOUT, GrammarBackend
+            from qworker.engine.structured.manager import GrammarManager
+
+            if self.vocab_size is None:
+                raise InvalidRequestError("structured outputs need the model's vocabulary size")
+            gpu = self.device.type == "cuda"
+            # Overlap fills with the forward, and fill on a thread pool, only where cores
+            # are free for it: the GPU runs a CUDA forward; a CPU forward uses torch's
+            # threads, and extra threads competing with them slow it down.
+            spare = gpu or (os.cpu_count() or 1) > torch.get_num_threads()
+            backend = GrammarBackend(
+                self.tokenizer, self.vocab_size, list(self.eos_token_ids),
+                compile_timeout=self._compile_timeout or DEFAULT_COMPILE_TIMEOUT,
+                num_threads=None if spare else 0)
+            self._grammar = GrammarManager(backend, pin_memory=gpu, overlap=spare)
+        return self._grammar
+
+    # ---- per step (engine thread) ----------------------------------------------------
+
+    def prepare(self, seqs: list[Sequence]) -> None:
+        """Optional, before the forward: start this step's grammar mask fill for ``seqs``
+        (the sequences that will sample) so it overlaps the model's work."""
+        if self._grammar is not None:
+            self._grammar.prepare(seqs)
 
     def sample(
         self,
@@ -51,89 +124,140 @@ class Sampler:
         """Choose a token for each row of fp32 ``logits`` ``[len(seqs), vocab]``.
 
         ``output_positions[i]`` is the index of the token being generated for row ``i``
-        (default: the sequence's current number of output tokens).
+        (default: the sequence's current number of output tokens). Each sequence
+        appears at most once.
         """
-        num_rows = len(seqs)
-        params = [s.request.params for s in seqs]
+        rows = [s.request.params.row for s in seqs]
+        if all(r.plain for r in rows):
+            return SamplerOutput(logits.argmax(dim=-1))
+        vocab = logits.shape[1]
+        dev = logits.device
         if output_positions is None:
             output_positions = [s.num_output_tokens for s in seqs]
-        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        raw_lp = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
+        pos = np.asarray(output_positions, dtype=np.int64)
+        lp_rows = [i for i, r in enumerate(rows) if r.logprobs >= 0]
+        lp_idx = raw_lp = None
+        if lp_rows:
+            lp_idx = to_device(lp_rows, dev, np.int64)
+            raw_lp = torch.log_softmax(logits.index_select(0, lp_idx), dim=-1)
 
-        penalized = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
-        if penalized:
-            logits = logits.clone()
-            for i in penalized:
-                ids = torch.tensor(seqs[i].token_ids, dtype=torch.long, device=logits.device)
-                score = logits[i].gather(0, ids)
-                pen = params[i].repetition_penalty
-                score = torch.where(score < 0, score * pen, score / pen)
-                logits[i].scatter_(0, ids, score)
+        pen_rows = [i for i, r in enumerate(rows) if r.penalized]
+        masks = self._grammar.masks(seqs) if self._grammar is not None else None
+        short = [i for i, r in enumerate(rows) if r.min_tokens > pos[i]]
+        # penalties and min_tokens work in place: on a copy, never on the caller's logits
+        x = logits.clone() if pen_rows or short else logits
+        slots = None
+        if pen_rows:
+            counts = self._token_counts(vocab, dev)
+            slots = counts.slots_for([seqs[i] for i in pen_rows])
+            counts.apply(x, np.asarray(pen_rows), slots,
+                         np.array([rows[i].repetition_penalty for i in pen_rows]),
+                         np.array([rows[i].presence_penalty for i in pen_rows]),
+                         np.array([rows[i].frequency_penalty for i in pen_rows]))
+        if short:
+            self._ban_until_min_tokens(x, seqs, short, masks)
+        if masks is not None:
+            allowed = unpack_allowed(masks.words, vocab, dev)
+            index = masks.index
+            if not (len(index) == allowed.shape[0] and (index == np.arange(len(index))).all()):
+                allowed = allowed.index_select(0, to_device(index, dev))
+            x = apply_token_bitmask(x, masks.rows, allowed)
+            if dev.type == "cuda":
+                event = torch.cuda.Event()
+                event.record()
+                self._grammar.copied(event)
 
-        random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        tokens = logits.argmax(dim=-1)
+        tokens = x.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(rows) if r.temperature != 0.0]
         if random_rows:
-            drawn = self._draw(
-                logits[random_rows],
-                [seqs[i] for i in random_rows],
-                [output_positions[i] for i in random_rows],
-            )
-            tokens[random_rows] = drawn
-        token_list = tokens.tolist()
-
-        chosen_lp: list[float | None] = [None] * num_rows
-        tops: list[dict[int, float] | None] = [None] * num_rows
+            r_idx = to_device(random_rows, dev, np.int64)
+            tokens.index_copy_(0, r_idx, self._draw(
+                x.index_select(0, r_idx), [rows[i] for i in random_rows],
+                [seqs[i].index for i in random_rows], pos[random_rows]))
+        if slots is not None and self._counts is not None:
+            self._counts.advance(slots, tokens.index_select(0, to_device(pen_rows, dev,
+                                                                         np.int64)))
+        chosen = top_vals = top_ids = None
+        ks = [rows[i].logprobs for i in lp_rows]
         if raw_lp is not None:
-            chosen = raw_lp.gather(1, tokens[lp_rows].unsqueeze(1)).squeeze(1).tolist()
-            max_k = max(params[i].logprobs or 0 for i in lp_rows)
-            top_vals = top_ids = None
-            if max_k:
-                top_vals, top_ids = raw_lp.topk(max_k, dim=-1)
-                top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-            for j, i in enumerate(lp_rows):
-                k = params[i].logprobs or 0
-                d = {}
-                if k and top_ids is not None and top_vals is not None:
-                    d = dict(zip(top_ids[j][:k], top_vals[j][:k], strict=True))
-                d[token_list[i]] = chosen[j]
-                chosen_lp[i] = chosen[j]
-                tops[i] = d
-        return SamplerOutput(token_ids=token_list, logprobs=chosen_lp, top_logprobs=tops)
+            assert lp_idx is not None
+            chosen = raw_lp.gather(1, tokens.index_select(0, lp_idx).unsqueeze(1)).squeeze(1)
+            if max(ks):
+                top_vals, top_ids = raw_lp.topk(max(ks), dim=-1)
+        return SamplerOutput(tokens, lp_rows, ks, chosen, top_vals, top_ids)
 
-    def _draw(
-        self, logits: torch.Tensor, seqs: list[Sequence], positions: list[int]
-    ) -> torch.Tensor:
-        params = [s.request.params for s in seqs]
-        dev = logits.device
-        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)
-        logits = logits / temps.unsqueeze(1)
-        vocab = logits.shape[-1]
-        top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-        top_ps = [p.top_p for p in params]
-        if any(k < vocab for k in top_ks) or any(p < 1.0 for p in top_ps):
-            sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-            ranks = torch.arange(vocab, device=dev).unsqueeze(0)
-            k_t = torch.tensor(top_ks, device=dev).unsqueeze(1)
-            cut = ranks >= k_t
-            sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
-            p_t = torch.tensor(top_ps, dtype=logits.dtype, device=dev).unsqueeze(1)
-            probs_sorted = sorted_logits.softmax(dim=-1)
-            # keep the smallest prefix whose mass reaches top_p (always the first token)
-            before = probs_sorted.cumsum(dim=-1) - probs_sorted
-            sorted_logits = sorted_logits.masked_fill(before >= p_t, float("-inf"))
-            logits = torch.full_like(logits, float("-inf")).scatter(1, sorted_idx, sorted_logits)
-        probs = logits.softmax(dim=-1)
-        min_ps = [p.min_p for p in params]
-        if any(m > 0 for m in min_ps):
-            m_t = torch.tensor(min_ps, dtype=probs.dtype, device=dev).unsqueeze(1)
+    def _token_counts(self, vocab: int, dev: torch.device) -> TokenCounts:
+        if self._counts is None or self._counts.vocab_size != vocab:
+            self._counts = TokenCounts(dev, vocab)
+        return self._counts
+
+    def _ban_until_min_tokens(self, x: torch.Tensor, seqs: list[Sequence], short: list[int],
+                              masks: Any) -> None:
+        """``-inf`` for EOS and stop ids of the rows ``short`` of their ``min_tokens``.
+
+        A constrained row whose grammar is complete (only EOS possible) is exempt: the
+        grammar's end wins over min_tokens.
+        """
+        if masks is not None and masks.stopped.any():
+            done = set(masks.rows[masks.stopped].tolist())
+            short = [i for i in short if i not in done]
+        r_idx, t_idx = [], []
+        vocab = x.shape[1]
+        for i in short:
+            ids = self.eos_token_ids + tuple(seqs[i].request.params.stop_token_ids or ())
+            ids = tuple(t for t in ids if t < vocab)
+            r_idx.extend([i] * len(ids))
+            t_idx.extend(ids)
+        if r_idx:
+            dev = x.device
+            x[to_device(r_idx, dev, np.int64), to_device(t_idx, dev, np.int64)] = float("-inf")
+
+    def _draw(self, x: torch.Tensor, rows: list[Any], index: list[int],
+              pos: np.ndarray) -> torch.Tensor:
+        """Temperature, top-k, top-p, min-p, then inverse-CDF draws, for these rows."""
+        dev = x.device
+        vocab = x.shape[1]
+        temps = np.array([r.temperature for r in rows], dtype=np.float32)
+        x = x / to_device(temps, dev).unsqueeze(1)
+        ks = np.array([r.top_k if r.top_k < vocab else 0 for r in rows], dtype=np.int64)
+        if ks.any():
+            kmax = int(ks.max())
+            kth = x.topk(kmax, dim=-1).values
+            k_t = to_device(np.maximum(ks, 1) - 1, dev).unsqueeze(1)
+            thr = kth.gather(1, k_t)
+            thr = torch.where(to_device(ks > 0, dev).unsqueeze(1), thr,
+                              torch.full_like(thr, float("-inf")))
+            x = x.masked_fill(x < thr, float("-inf"))  # ties at the k-th value stay (transformers)
+        ps = np.array([r.top_p for r in rows], dtype=np.float32)
+        p_rows = np.nonzero(ps < 1.0)[0]
+        if len(p_rows):
+            p_idx = to_device(p_rows, dev, np.int64)
+            sub = x.index_select(0, p_idx)
+            sorted_x, order = sub.sort(dim=-1, descending=True)
+            probs = sorted_x.softmax(dim=-1)
+            before = probs.cumsum(dim=-1) - probs  # mass of the better tokens
+            p_t = to_device(ps[p_rows], dev).unsqueeze(1)
+            sorted_x = sorted_x.masked_fill(before >= p_t, float("-inf"))  # keeps the best one
+            x = x.index_copy(0, p_idx, torch.empty_like(sub).scatter_(1, order, sorted_x))
+        probs = x.softmax(dim=-1)
+        min_ps = np.array([r.min_p for r in rows], dtype=np.float32)
+        if min_ps.any():
+            m_t = to_device(min_ps, dev).unsqueeze(1)
             probs = probs.masked_fill(probs < probs.max(dim=-1, keepdim=True).values * m_t, 0.0)
-        q = torch.empty_like(probs)
-        unseeded = [j for j, p in enumerate(params) if p.seed is None]
-        if unseeded:
-            q[unseeded] = torch.empty(len(unseeded), vocab, device=dev).exponential_()
-        for j, (seq, p) in enumerate(zip(seqs, params, strict=True)):
-            if p.seed is not None:
-                gen = torch.Generator(device=dev)
-                gen.manual_seed(row_seed(p.seed, seq.index, positions[j]))
-                q[j].exponential_(generator=gen)
-        return (probs / q).argmax(dim=-1)
+        u = self._uniforms(rows, index, pos)
+        cdf = probs.cumsum(dim=-1)
+        # Scaled just below the row's total, u * total stays under the last CDF value even
+        # after rounding, so the first CDF value above it belongs to a token with p > 0.
+        total = cdf[:, -1:] * (1.0 - 2.0**-22)
+        target = to_device(u, dev).unsqueeze(1) * total
+        return torch.searchsorted(cdf, target, right=True).clamp_(max=vocab - 1).squeeze(1)
+
+    def _uniforms(self, rows: list[Any], index: list[int], pos: np.ndarray) -> np.ndarray:
+        seeded = np.fromiter((r.seeded for r in rows), dtype=bool, count=len(rows))
+        u = np.empty(len(rows), dtype=np.float64)
+        if seeded.any():
+            seeds = np.array([r.seed for r in rows], dtype=np.uint64)
+            u[seeded] = seeded_uniforms(seeds[seeded], np.asarray(index)[seeded], pos[seeded])
+        if not seeded.all():
+            u[~seeded] = torch.rand(int((~seeded).sum()), dtype=torch.float64).numpy()
+        return u.astype(np.float32)

@@ -4,8 +4,36 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
+from qworker.engine.structured.params import StructuredOutputsParams
 from qworker.errors import InvalidRequestError
+
+_U64 = (1 << 64) - 1
+
+
+class RowParams(NamedTuple):
+    """The numbers the batched sampler reads per row, computed once per ``validate()``.
+
+    ``top_k`` is 0 when disabled; ``seed`` is the seed modulo 2**64 (0 when unseeded);
+    ``logprobs`` is -1 when not asked for; ``plain`` marks greedy rows that need nothing
+    but an argmax (no penalties, constraints, min_tokens or logprobs).
+    """
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    min_tokens: int
+    seed: int
+    seeded: bool
+    logprobs: int
+    structured: bool
+    penalized: bool
+    plain: bool
 
 
 @dataclass(slots=True)
@@ -15,9 +43,18 @@ class SamplingParams:
     ``temperature=0`` is greedy. ``top_k`` 0 or -1 disables top-k. ``seed`` makes the
     request's sampling reproducible whatever shares its batch and whether it was
     preempted. ``logprobs=k`` returns, per generated token, the top-k ids (plus the
-    chosen one) with their log-probabilities. ``stop`` strings are not included in
-    the returned text. Invalid values raise ``InvalidRequestError`` (a ``ValueError``)
-    naming the field; call ``validate()`` after mutating an instance.
+    chosen one) with their log-probabilities (of the model's raw distribution).
+    ``stop`` strings are not included in the returned text.
+
+    ``repetition_penalty`` (transformers' semantics) scales the logits of every token
+    already in the prompt or the output; ``presence_penalty`` and ``frequency_penalty``
+    (OpenAI's, in [-2, 2]) subtract from a token's logit once if it was generated and
+    per time it was generated. ``min_tokens`` forbids EOS and ``stop_token_ids`` until
+    that many tokens were generated. ``structured_outputs`` constrains the output to a
+    JSON schema, JSON object, regex or choice (``docs/structured_outputs.md``).
+
+    Invalid values raise ``InvalidRequestError`` (a ``ValueError``) naming the field;
+    call ``validate()`` after mutating an instance.
     """
 
     n: int = 1
@@ -32,7 +69,12 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
+    row: RowParams = field(init=False, repr=False, compare=False, default=None)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         self.validate()
@@ -91,6 +133,55 @@ class SamplingParams:
                 "stop_token_ids must be a list of non-negative integers, "
                 f"got {self.stop_token_ids!r}"
             )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_finite_number(value) or not -2.0 <= value <= 2.0:
+                raise InvalidRequestError(f"{name} must be a number in [-2, 2], got {value!r}")
+        if (not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool)
+                or self.min_tokens < 0):
+            raise InvalidRequestError(
+                f"min_tokens must be an integer >= 0, got {self.min_tokens!r}"
+            )
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise InvalidRequestError(
+                    "structured_outputs must be a StructuredOutputsParams or None, "
+                    f"got {type(self.structured_outputs).__name__}"
+                )
+            self.structured_outputs.validate()
+        self.row = self._row()
+
+    def _row(self) -> RowParams:
+        penalized = (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                     or self.frequency_penalty != 0.0)
+        structured = self.structured_outputs is not None
+        return RowParams(
+            temperature=float(self.temperature),
+            top_k=self.top_k if self.top_k > 0 else 0,
+            top_p=float(self.top_p),
+            min_p=float(self.min_p),
+            repetition_penalty=float(self.repetition_penalty),
+            presence_penalty=float(self.presence_penalty),
+            frequency_penalty=float(self.frequency_penalty),
+            min_tokens=self.min_tokens,
+            seed=(self.seed & _U64) if self.seed is not None else 0,
+            seeded=self.seed is not None,
+            logprobs=self.logprobs if self.logprobs is not None else -1,
+            structured=structured,
+            penalized=penalized,
+            plain=(self.greedy and not penalized and not structured and self.min_tokens == 0
+                   and self.logprobs is None),
+        )
+
+    @property
+    def needs_host_history(self) -> bool:
+        """True when sampling needs the previous token on the host before the next step
+        (a grammar advances on host token values); penalties are counted on the device."""
+        return self.structured_outputs is not None
 
     @property
     def greedy(self) -> bool:

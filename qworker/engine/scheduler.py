@@ -15,6 +15,7 @@ Per-step Python work is per sequence, never per token. Not thread-safe.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -192,7 +193,10 @@ class Scheduler:
             self.kv.record_prefix_query(seq.num_tokens)
             seq.num_computed_tokens += num_hit
             if seq.index == 0 and seq.request.metrics.first_scheduled_time is None:
+                # queue time ends here, when the request first gets blocks (not after the
+                # forward: that would make it equal time to first token)
                 seq.request.num_cached_tokens = num_hit
+                seq.request.metrics.first_scheduled_time = time.time()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.seqs.append(seq)

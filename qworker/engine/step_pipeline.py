@@ -132,7 +132,6 @@ class StepPipeline:
         """Advance the launched sequences, fork siblings, sample on the device."""
         kv = self.kv
         bs = kv.block_size
-        now = time.time()
         sampling: list[Sequence] = []
         positions: list[int] = []
         for seq, n, rows in zip(seqs, num_new, sample, strict=True):
@@ -140,9 +139,6 @@ class StepPipeline:
             seq.num_computed_tokens = done + n
             if (done + n) // bs != done // bs:  # a block was completed
                 kv.cache_full_blocks(seq)
-            metrics = seq.request.metrics
-            if metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = now
             if rows:
                 sampling.append(seq)
                 positions.append(len(seq.token_ids) - seq.num_prompt_tokens + seq.num_pending)

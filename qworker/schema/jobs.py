@@ -19,6 +19,7 @@ import orjson
 from qworker.engine.sampling_params import SamplingParams
 from qworker.errors import InvalidRequestError, QworkerError
 from qworker.schema.fingerprint import request_fingerprint
+from qworker.schema.structured import structured_outputs
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -40,10 +41,7 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "functions": lambda v: v is None or v == [],
     "function_call": lambda v: v is None or v == "none",
     "stream": lambda v: v is None or v is False,
-    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
     "logit_bias": lambda v: v is None or v == {},
-    "presence_penalty": lambda v: v is None or v == 0,
-    "frequency_penalty": lambda v: v is None or v == 0,
     "best_of": lambda v: v is None or v == 1,
     "echo": lambda v: v is None or v is False,
     "suffix": lambda v: v is None or v == "",
@@ -51,13 +49,8 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "modalities": lambda v: v is None or v == ["text"],
     "reasoning_effort": lambda v: v is None,
     "web_search_options": lambda v: v is None,
-    "min_tokens": lambda v: v is None or v == 0,
     "use_beam_search": lambda v: v is None or v is False,
-    "guided_json": lambda v: v is None,
-    "guided_regex": lambda v: v is None,
-    "guided_choice": lambda v: v is None,
     "guided_grammar": lambda v: v is None,
-    "structured_outputs": lambda v: v is None,
 }
 
 
@@ -275,12 +268,17 @@ def _sampling(body: dict[str, Any], kind: JobKind) -> tuple[SamplingParams, bool
         "ignore_eos",
         "repetition_penalty",
         "stop_token_ids",
+        "presence_penalty",
+        "frequency_penalty",
+        "min_tokens",
     ):
         value = body.get(name)
         if value is not None:
             fields[name] = value
     _check_stop(fields.get("stop"))
-    for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+    fields["structured_outputs"] = structured_outputs(body)
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty"):
         if name in fields and not _is_number(fields[name]):
             raise InvalidRequestError(
                 f"body.{name} must be a number, got {_describe(fields[name])}"

@@ -29,7 +29,10 @@ def build_engine(settings: WorkerSettings) -> EngineLike:
     if settings.is_echo:
         from qworker.worker.echo_engine import EchoEngine
 
-        return EchoEngine.from_uri(settings.model)
+        echo = EchoEngine.from_uri(settings.model)
+        if settings.served_model_name:
+            echo.model_name = settings.served_model_name
+        return echo
     from qworker.engine.engine import Engine
 
     return Engine(settings.engine_config())

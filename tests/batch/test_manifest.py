@@ -12,6 +12,7 @@ pytest.importorskip("orjson")
 
 from qworker.batch.manifest import (
     DuplicateCustomIdError,
+    JobTooLargeError,
     Manifest,
     job_items,
     scan_input,
@@ -63,3 +64,34 @@ def test_manifest_round_trips() -> None:
     assert Manifest.from_json(manifest.to_json()) == manifest
     with pytest.raises(ValueError, match="not a qworker manifest"):
         Manifest.from_json(b'{"custom_id": "x"}')
+
+
+def _sized(cid: str, size: int, **extra: object) -> str:
+    line = json.dumps(_job(cid, metadata={"pad": ""}, **extra), separators=(",", ":"))
+    return line.replace('"pad":""', '"pad":"' + "x" * (size - len(line)) + '"')
+
+
+def test_jobs_over_max_job_bytes_as_sent_are_refused_before_anything_is_sent() -> None:
+    limit = 4096
+    # exactly the limit, batch id already its own: sent unchanged, accepted
+    ok = scan_input(_file(_sized("a", limit, batch_id="n1")), None, "in.jsonl", limit)
+    assert ok.custom_ids == ["a"]
+    # exactly the limit on disk, but produce adds the batch id: too long as sent
+    with pytest.raises(JobTooLargeError) as err:
+        scan_input(_file(_job("ok"), _sized("b", limit)), None, "in.jsonl", limit)
+    assert "1 line(s) over max_job_bytes (4096): line 2 (" in str(err.value)
+    assert "nothing was sent" in str(err.value)
+    with pytest.raises(JobTooLargeError, match="line 1"):
+        scan_input(_file(_sized("c", limit, batch_id="n1")), "other", "in.jsonl", limit)
+    # what job_items sends is what was measured
+    f = _file(_sized("d", limit - 60))
+    manifest = scan_input(f, None, "in.jsonl", limit)
+    f.seek(0)
+    ((_, body),) = list(job_items(f, manifest.batch_id))
+    assert limit - 60 < len(body) <= limit
+
+
+def test_an_empty_batch_id_is_refused() -> None:
+    # every job would carry batch_id "" and be answered with an invalid_request line
+    with pytest.raises(ValueError, match="--batch-id must not be empty"):
+        scan_input(_file(_job("a")), "", "in.jsonl")

@@ -164,3 +164,114 @@ def test_status_of_an_unknown_batch_is_an_error(
 ) -> None:
     assert main(["status", "--from", f"file://{tmp_path}", "--batch-id", "nope"]) == 1
     assert "no batch 'nope'" in capsys.readouterr().err
+
+
+def test_collect_of_an_unknown_batch_is_an_error_and_leaves_earlier_files_alone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    results = f"file://{tmp_path}/results"
+    _produce(tmp_path, results)
+    capsys.readouterr()
+    earlier = tmp_path / "r.jsonl"
+    earlier.write_text('{"kept": true}\n')
+    assert main(["collect", "--from", results, "--batch-id", "typo", "-o", str(earlier),
+                 "--no-progress"]) == 1
+    assert "no batch 'typo'" in capsys.readouterr().err
+    assert earlier.read_text() == '{"kept": true}\n'
+
+
+def test_status_wait_refuses_a_batch_without_a_manifest_instead_of_waiting_forever(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # results written by workers, but no `qworker produce` manifest: never "completed"
+    root = tmp_path / "results"
+
+    def put(key: str, body: bytes) -> None:
+        (root / key).parent.mkdir(parents=True, exist_ok=True)
+        (root / key).write_bytes(body)
+
+    spool = write_spool(tmp_path / "in.jsonl", [completion_job(c, f"p-{c}") for c in IDS[:3]])
+    _write_results(put, "", "nomanifest", spool, IDS[:3])
+    capsys.readouterr()
+    assert main(["status", "--from", f"file://{root}", "--batch-id", "nomanifest",
+                 "--wait", "0.01", "--timeout", "30"]) == 1
+    captured = capsys.readouterr()
+    assert "has no manifest" in captured.err and "--wait" in captured.err
+    assert json.loads(captured.out)["request_counts"]["total"] == 3
+
+
+def test_a_missing_bucket_is_one_line_and_exit_1_for_every_batch_command(
+    tmp_path: Path, moto_server: str, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("QWORKER_S3_ENDPOINT_URL", moto_server)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    spool = write_spool(tmp_path / "in.jsonl", [completion_job("a")])
+    where = "s3://no-such-bucket-r13/out"
+    for argv in (["status", "--from", where, "--batch-id", "b"],
+                 ["collect", "--from", where, "--batch-id", "b", "-o", str(tmp_path / "o")],
+                 ["produce", "-i", str(spool), "--to", f"file://{tmp_path}/s.jsonl",
+                  "--results", where],
+                 ["produce", "-i", "s3://no-such-bucket-r13/in.jsonl", "--to",
+                  f"file://{tmp_path}/s.jsonl", "--no-manifest"]):
+        capsys.readouterr()
+        assert main(argv) == 1, argv
+        err = capsys.readouterr().err
+        assert err.startswith(f"qworker {argv[0]}: "), err
+        assert "NoSuchBucket" in err or "in.jsonl does not exist" in err, err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "s.jsonl").exists()  # nothing sent when the manifest failed
+
+
+def test_produce_never_replaces_another_files_manifest_under_the_same_batch_id(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    results = f"file://{tmp_path}/results"
+    first = write_spool(tmp_path / "a.jsonl", [completion_job(c) for c in IDS])
+    other = write_spool(tmp_path / "b.jsonl", [completion_job("z1"), completion_job("z2")])
+    spool = tmp_path / "spool.jsonl"
+
+    def produce(path: Path) -> int:
+        return main(["produce", "-i", str(path), "--to", f"file://{spool}", "--batch-id",
+                     "nightly", "--results", results])
+
+    assert produce(first) == 0
+    manifest = tmp_path / "results" / "nightly" / "_manifest.json"
+    before = json.loads(manifest.read_text())
+    sent = spool.read_text()
+    capsys.readouterr()
+    assert produce(other) == 1
+    err = capsys.readouterr().err
+    assert "batch 'nightly' already has a manifest (12 jobs from" in err and "--batch-id" in err
+    assert spool.read_text() == sent  # nothing sent
+    assert json.loads(manifest.read_text()) == before
+    # sending the same file again (say, after a failed send) is fine and keeps `created`
+    assert produce(first) == 0
+    again = json.loads(manifest.read_text())
+    assert (again["custom_ids"], again["created"]) == (IDS, before["created"])
+
+
+def test_results_of_ids_outside_the_manifest_never_count_past_the_total(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    results = f"file://{tmp_path}/results"
+    _produce(tmp_path, results)
+    batch = capsys.readouterr().out.strip()
+    root = tmp_path / "results"
+
+    def put(key: str, body: bytes) -> None:
+        (root / key).parent.mkdir(parents=True, exist_ok=True)
+        (root / key).write_bytes(body)
+
+    _write_results(put, "", batch, tmp_path / "spool.jsonl", IDS)
+    # jobs of this batch id sent by another tool, not in the manifest
+    extra = write_spool(tmp_path / "x.jsonl", [completion_job(c) for c in ("x1", "x2")])
+    for line in extra.read_text().splitlines():
+        job = parse_job(line.encode()).job
+        assert job is not None
+        put(result_key("", batch, job.custom_id), dumps(success_record(job, _output(job), "e")))
+    status = _status(capsys, "--from", results, "--batch-id", batch)
+    assert status["request_counts"] == {"total": 12, "completed": 10, "failed": 2}
+    assert status["unexpected"] == 2 and status["status"] == "completed"
+    validate_batch(status)

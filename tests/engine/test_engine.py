@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -227,3 +228,23 @@ def test_cpu_engine_leaves_a_core_to_the_worker_unless_told(tiny_llama_dir: Path
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_queue_time_ends_when_blocks_are_given_not_at_the_first_token(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    execute = engine.runner.execute
+
+    def slow_execute(*args: object, **kwargs: object) -> object:
+        time.sleep(0.05)  # the forward lies between scheduling and the first token
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "execute", slow_execute)
+    engine.add_request("q", [1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=2))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    m = outs[0].metrics
+    assert m.first_scheduled_time is not None and m.first_token_time is not None
+    assert m.arrival_time <= m.first_scheduled_time
+    assert m.first_token_time - m.first_scheduled_time >= 0.05

@@ -1,6 +1,7 @@
 """Overlapped steps (async scheduling) give exactly the outputs of one step at a time:
 transformers parity, preemption (recompute and swap), chunked prefill, n > 1, seeds,
-logprobs, stop conditions, aborts and penalties that need the host history."""
+logprobs, stop conditions, aborts and penalties (counted on the device, so they overlap
+too)."""
 
 from __future__ import annotations
 
@@ -71,8 +72,9 @@ def test_seeds_n_logprobs_stops_and_lengths_are_identical_with_and_without_overl
                        ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),  # to max_model_len
         SamplingParams(n=2, temperature=0, max_tokens=5, ignore_eos=True),
-        SamplingParams(temperature=0.7, seed=3, repetition_penalty=1.3, max_tokens=8,
-                       ignore_eos=True),  # needs the host history: no overlap for it
+        SamplingParams(temperature=0.7, seed=3, repetition_penalty=1.3, presence_penalty=0.5,
+                       frequency_penalty=0.8, max_tokens=8,
+                       ignore_eos=True),  # device-side counts, with its token in flight
     ]
     prompts[2] = prompts[0]
     results = {}
@@ -111,8 +113,15 @@ def test_abort_while_a_step_is_in_flight(tiny_llama_dir: Path) -> None:
 
 
 def test_which_params_need_the_host_history() -> None:
+    from qworker.engine.structured.params import StructuredOutputsParams
+
     assert not needs_host_history(SamplingParams(temperature=0.8, seed=1, logprobs=2))
-    assert needs_host_history(SamplingParams(repetition_penalty=1.2))
+    # penalties are counted on the device, tokens in flight included
+    assert not needs_host_history(SamplingParams(repetition_penalty=1.2, presence_penalty=1,
+                                                 frequency_penalty=0.5, min_tokens=3))
+    # a grammar advances on the host token values
+    assert needs_host_history(SamplingParams(
+        structured_outputs=StructuredOutputsParams(regex="a+")))
 
 
 def test_blocks_completed_by_a_pending_token_are_cached_with_the_right_tokens(

@@ -24,6 +24,7 @@ pytest.importorskip("aiokafka")
 pytest.importorskip("boto3")
 
 from qworker.schema import error_of, result_key
+from qworker.schema.keys import manifest_key
 from tests.fixtures.servers import QueueInfo, boto_client, running
 
 BATCH = "e2e"
@@ -125,6 +126,7 @@ def _assert_one_valid_result_per_job(
     """Exactly the expected keys exist; each holds a well-formed record for its job."""
     errors = errors or {}
     objects = _objects(endpoint, bucket)
+    objects.pop(manifest_key(PREFIX, BATCH), None)  # written by produce --results, not a result
     expected = {result_key(PREFIX, BATCH, cid): cid for cid in ids}
     assert set(objects) == set(expected), (
         f"missing {sorted(set(expected) - set(objects))[:5]}, "
@@ -276,7 +278,10 @@ def test_kafka_to_s3_one_result_per_job_and_malformed_ones_recorded_or_dead_lett
     source = f"kafka://{kafka_broker}/{topic}?group=e2e"
     sink = f"s3://{s3_bucket}/{PREFIX}"
 
-    done = _qworker("produce", "-i", str(jobs), "--to", source, "--batch-id", BATCH, env=env)
+    # a producer that allows bigger jobs than the workers do: the oversized one must still
+    # get its error record from the worker
+    done = _qworker("produce", "-i", str(jobs), "--to", source, "--batch-id", BATCH,
+                    "--max-job-bytes", "100000", "--results", sink, env=env)
     assert done.returncode == 0, done.stderr.decode()
     with running(_run_cmd(source, sink), env, tmp_path / "worker.log") as proc:
         assert proc.wait(timeout=90) == 0, (tmp_path / "worker.log").read_text()[-3000:]
@@ -323,7 +328,10 @@ def test_sqs_to_s3_one_result_per_job_and_malformed_ones_recorded_or_dead_letter
     source = f"sqs://{queue.name}"
     sink = f"s3://{s3_bucket}/{PREFIX}"
 
-    done = _qworker("produce", "-i", str(jobs), "--to", source, "--batch-id", BATCH, env=env)
+    # a producer that allows bigger jobs than the workers do: the oversized one must still
+    # get its error record from the worker
+    done = _qworker("produce", "-i", str(jobs), "--to", source, "--batch-id", BATCH,
+                    "--max-job-bytes", "100000", "--results", sink, env=env)
     assert done.returncode == 0, done.stderr.decode()
     with running(_run_cmd(source, sink), env, tmp_path / "worker.log") as proc:
         assert proc.wait(timeout=90) == 0, (tmp_path / "worker.log").read_text()[-3000:]

@@ -108,3 +108,22 @@ def test_inter_token_and_queue_time_come_from_the_request_timestamps() -> None:
     assert 'qworker_inter_token_latency_seconds_sum{model_name="m"} 0.5' in text  # 2 s / 4
     assert 'qworker_request_queue_time_seconds_sum{model_name="m"} 0.5' in text
     assert 'qworker_time_to_first_token_seconds_sum{model_name="m"} 1.0' in text
+
+
+def test_every_metric_the_docs_name_is_exported() -> None:
+    """docs/formats.md "Metrics" is the contract: each name it lists is a family here."""
+    import re
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "formats.md").read_text()
+    section = text[text.index("## Metrics"):]
+    documented = set(re.findall(r"`(qworker_[a-z0-9_]+)", section))
+    metrics = WorkerMetrics()
+    metrics.set_model("m")
+    exported = set()
+    for family in metrics.registry.collect():
+        exported.add(family.name)
+        exported.update(sample.name for sample in family.samples)
+        if family.type == "counter":
+            exported.add(f"{family.name}_total")
+    assert len(documented) >= 25
+    assert documented <= exported, sorted(documented - exported)

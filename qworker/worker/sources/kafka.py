@@ -565,4 +565,5 @@ async def produce(uri: str, items: Iterable[tuple[str | None, bytes]], settings:
         items,
         KafkaSecurity.from_settings(settings),
         getattr(settings, "kafka_compression", None),
+        getattr(settings, "max_job_bytes", 1 << 20),
     )

@@ -148,6 +148,12 @@ class KafkaSecurity:
         elif self.sasl_mechanism is not None:
             raise ValueError(f"kafka_sasl_mechanism={self.sasl_mechanism} needs "
                              "kafka_security_protocol SASL_PLAINTEXT or SASL_SSL")
+        elif self.sasl_username or self.sasl_password:
+            # Checked when a Kafka client is built, not in the settings: an SQS worker may
+            # mount the same optional credentials Secret and never talk to Kafka.
+            raise ValueError(f"kafka_sasl_username/kafka_sasl_password are set but "
+                             f"kafka_security_protocol is {self.security_protocol}: set "
+                             "SASL_SSL (or SASL_PLAINTEXT) and kafka_sasl_mechanism")
         if self.ssl_cafile is not None and not self.uses_tls:
             raise ValueError("kafka_ssl_cafile needs kafka_security_protocol SSL or SASL_SSL")
 

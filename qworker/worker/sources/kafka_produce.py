@@ -18,6 +18,11 @@ from qworker.worker.sources.kafka_client import KafkaSecurity
 from qworker.worker.sources.kafka_lag import stop_quietly
 from qworker.worker.sources.kafka_rebalance import KafkaHandle
 
+#: Room for a record's key, headers and batch framing beyond its body.
+_RECORD_HEADROOM = 64 << 10
+#: The dead-letter producer's client-side size check: far above any broker's limit, so
+#: what the broker delivered is never refused here (the broker's own limit still applies).
+_DLQ_MAX_REQUEST_BYTES = 64 << 20
 DLQ_REASON_HEADER = "qworker-dlq-reason"
 DLQ_SOURCE_HEADER = "qworker-source"
 #: Where a dead letter came from, so readers can drop the repeats an at-least-once
@@ -80,6 +85,7 @@ class DeadLetterProducer:
                     enable_idempotence=False,
                     acks="all",
                     request_timeout_ms=int(self.request_timeout * 1000),
+                    max_request_size=_DLQ_MAX_REQUEST_BYTES,
                     **self.security.client_options(),
                 )
                 try:
@@ -97,10 +103,13 @@ async def produce_to(
     items: Iterable[tuple[str | None, bytes]],
     security: KafkaSecurity | None = None,
     compression: str | None = None,
+    max_job_bytes: int = 1 << 20,
 ) -> int:
     """Send every ``(key, body)`` to ``topic``; return the count once all are acknowledged.
 
-    ``compression`` is a Kafka codec (gzip, snappy, lz4, zstd) or None.
+    ``compression`` is a Kafka codec (gzip, snappy, lz4, zstd) or None. A body of
+    ``max_job_bytes`` (what the worker accepts) always fits the client's request limit;
+    the broker's own limit (``message.max.bytes``) applies to the compressed batch.
     """
     producer = AIOKafkaProducer(
         bootstrap_servers=bootstrap,
@@ -108,6 +117,7 @@ async def produce_to(
         acks="all",
         linger_ms=5,
         compression_type=compression,
+        max_request_size=max(1 << 20, max_job_bytes) + _RECORD_HEADROOM,
         **(security or KafkaSecurity()).client_options(),
     )
     await producer.start()

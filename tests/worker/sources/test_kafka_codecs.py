@@ -140,3 +140,49 @@ def test_start_refuses_without_the_codec_library(
     source = KafkaSource(kafka_broker, "never-created", "g-nocodec")
     with pytest.raises(ValueError, match=r"snappy, lz4, zstd .*aiokafka\[lz4,snappy,zstd\]"):
         asyncio.run(source.start())
+
+
+def test_many_records_per_compressed_batch_with_headers_and_any_key_are_all_read(
+    kafka_broker: str, kafka_topic: Callable[..., str]
+) -> None:
+    """Batching producers (librdkafka linger, aiokafka send without wait): one compressed
+    batch holds dozens of records, with headers, null keys or keys unlike the custom_id."""
+    confluent = pytest.importorskip("confluent_kafka")
+    topic = kafka_topic(1)
+    expected: list[bytes] = []
+    for codec in CODECS:
+        producer = confluent.Producer({"bootstrap.servers": kafka_broker,
+                                       "compression.codec": codec, "linger.ms": 200,
+                                       "batch.num.messages": 10000, "enable.idempotence": False})
+        for i in range(40):
+            body = _body(f"rdb-{codec}", i)
+            producer.produce(topic, value=body, key=None if i % 2 else f"k{i}",
+                             headers=[("trace", b"t"), ("empty", b"")] if i % 3 else None)
+            expected.append(body)
+        assert producer.flush(15) == 0
+
+    async def go() -> None:
+        for codec in CODECS:
+            producer = AIOKafkaProducer(bootstrap_servers=kafka_broker, compression_type=codec,
+                                        linger_ms=100, enable_idempotence=False)
+            await producer.start()
+            try:
+                sent = []
+                for i in range(40):
+                    body = _body(f"aiob-{codec}", i)
+                    sent.append(await producer.send(topic, body, key=None if i % 2 else b"x",
+                                                    headers=[("h", b"v")] if i % 3 else None))
+                    expected.append(body)
+                await asyncio.gather(*sent)
+            finally:
+                await producer.stop()
+        source = KafkaSource(kafka_broker, topic, "g-batched", session_timeout_ms=SESSION_MS,
+                             poll_timeout_ms=100)
+        await source.start()
+        try:
+            got = await _receive_all(source, len(expected), timeout=30)
+        finally:
+            await source.close()
+        assert [m.body for m in got] == expected
+
+    asyncio.run(go())

@@ -267,3 +267,20 @@ def test_a_missing_ca_file_is_a_clear_error(tmp_path: Path) -> None:
     security = KafkaSecurity("SSL", ssl_cafile=str(tmp_path / "nope.pem"))
     with pytest.raises(ValueError, match="kafka_ssl_cafile"):
         security.client_options()
+
+
+def test_credentials_without_a_sasl_protocol_are_an_error_where_kafka_is_used(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from qworker.cli import main
+
+    # an SQS worker may mount the same optional Secret: the settings alone are fine
+    settings = WorkerSettings(source="sqs://q", kafka_sasl_username="u",
+                              kafka_sasl_password="p")
+    with pytest.raises(ValueError, match="kafka_security_protocol is PLAINTEXT: set SASL_SSL"):
+        KafkaSecurity.from_settings(settings).client_options()
+    jobs = tmp_path / "in.jsonl"
+    jobs.write_text('{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x"}}\n')
+    assert main(["produce", "-i", str(jobs), "--to", "kafka://127.0.0.1:1/t", "--no-manifest",
+                 "--kafka-sasl-username", "u", "--kafka-sasl-password", "p"]) == 1
+    assert "kafka_sasl_username/kafka_sasl_password are set but" in capsys.readouterr().err
