@@ -135,6 +135,8 @@ def workload_structured(args: argparse.Namespace, presets: dict[str, dict[str, A
     cfg = dict(model=model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks)
+    if args.threads:  # the engine's CPU threads too, as bench_engine's runs
+        cfg["cpu_threads"] = args.threads
     engine = Engine(EngineConfig(**cfg))
     schemas = [cap_strings(c.schema, args.max_string) for c in CASES]
     specs = [StructuredOutputsParams(json=s) for s in schemas]

@@ -17,10 +17,12 @@
 #include "pool.h"
 
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 
 #define MAX_HELPERS 63
 #define SPIN_ITERS 20000
+#define YIELD_EVERY 64
 
 static qw_task_fn job_fn;
 static const void *job_ctx;
@@ -61,7 +63,10 @@ static void *helper_main(void *arg) {
         while ((g = atomic_load_explicit(&generation, memory_order_acquire)) == seen) {
             if (atomic_load_explicit(&stopping, memory_order_relaxed)) return NULL;
             if (++spins < SPIN_ITERS) {
-                qw_cpu_relax();
+                /* now and then let a thread waiting for this core run (the grammar's mask
+                 * fills, the event loop): one descheduled mid-chunk would stall the caller */
+                if (spins % YIELD_EVERY == 0) sched_yield();
+                else qw_cpu_relax();
                 continue;
             }
             pthread_mutex_lock(&sleep_mu);

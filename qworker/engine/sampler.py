@@ -96,14 +96,18 @@ class Sampler:
             if self.vocab_size is None:
                 raise InvalidRequestError("structured outputs need the model's vocabulary size")
             gpu = self.device.type == "cuda"
-            # Overlap fills with the forward, and fill on a thread pool, only where cores
-            # are free for it: the GPU runs a CUDA forward; a CPU forward uses torch's
-            # threads, and extra threads competing with them slow it down.
-            spare = gpu or (os.cpu_count() or 1) > torch.get_num_threads()
+            # Overlap fills with the forward, on llguidance's thread pool, only with cores
+            # torch's threads leave free: the GPU runs a CUDA forward; on CPU, fill threads
+            # competing with torch's slow the forward down more than the fill costs. The
+            # packed matmuls' helpers (qworker.cpu_kernels) share work and tolerate it: with
+            # them on every core, overlapped fills cost 1.15x against 1.24x for serial
+            # ones (docs/benchmarks.md).
+            free = (os.cpu_count() or 1) - torch.get_num_threads()
+            spare = gpu or free > 0
             backend = GrammarBackend(
                 self.tokenizer, self.vocab_size, list(self.eos_token_ids),
                 compile_timeout=self._compile_timeout or DEFAULT_COMPILE_TIMEOUT,
-                num_threads=None if spare else 0)
+                num_threads=None if gpu else max(0, free))
             self._grammar = GrammarManager(backend, pin_memory=gpu, overlap=spare)
         return self._grammar
 

@@ -31,3 +31,17 @@ def test_unpacked_bits_and_masked_rows_match_a_per_token_reference() -> None:
     assert torch.equal(masked[1], before[1]) and torch.equal(masked[3], before[3])
     whole = apply_token_bitmask(before[:3], np.arange(3), allowed)  # every row, in order
     assert torch.equal(whole.isinf(), ~allowed)
+
+
+def test_the_cpu_form_is_bit_identical_to_where_on_special_values_and_strided_rows() -> None:
+    rng = np.random.default_rng(1)
+    vocab = 200
+    wide = torch.from_numpy(rng.standard_normal((4, 2 * vocab)).astype(np.float32))
+    logits = wide[:, ::2]  # not contiguous
+    logits[0, :6] = torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0, 0.0, 3e38])
+    allowed = torch.from_numpy(rng.random((4, vocab)) < 0.3)
+    allowed[0, :6] = torch.tensor([True, True, True, True, False, False])
+    masked = apply_token_bitmask(logits, np.arange(4), allowed)
+    expect = torch.where(allowed, logits, float("-inf"))
+    assert masked.dtype == torch.float32
+    assert torch.equal(masked.view(torch.int32), expect.contiguous().view(torch.int32))
