@@ -1,8 +1,10 @@
-"""The CPU's compiled kernels: packed-panel fp32 matmuls and paged decode attention.
+"""The CPU's compiled kernels: packed-panel fp32 matmuls, paged decode attention, and
+greedy choice under grammar masks.
 
-Small C files ship in this package (``pool.c``: the work-sharing thread pool both
+Small C files ship in this package (``pool.c``: the work-sharing thread pool the
 kernels run on; ``gemm.c``: matmuls over weights packed once into column panels;
-``decode_attention.c``: one query row per sequence over its pages). They are compiled on
+``decode_attention.c``: one query row per sequence over its pages; ``token_mask.c``:
+argmax over each row's allowed tokens). They are compiled on
 first use with the system C compiler for the machine they run on (``-O3 -march=native``,
 a second or two), into ``~/.cache/qworker/cpu_kernels`` (``$XDG_CACHE_HOME`` first)
 under a hash of the sources, the flags and the CPU, and called through ``ctypes``
@@ -30,7 +32,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("pool.c", "gemm.c", "decode_attention.c")
+SOURCES = ("pool.c", "gemm.c", "decode_attention.c", "token_mask.c")
 HEADERS = ("pool.h",)
 _DIR = Path(__file__).resolve().parent
 _FLAGS = ("-O3", "-ffp-contract=fast", "-fPIC", "-shared", "-pthread")
@@ -63,6 +65,8 @@ class CpuKernels:
             _i64, _i64, _i64, _i64, _i64, _i64,  # seqs, q heads, kv heads, dim, block, window
             _f32, _ptr, _i64, _i64,  # scale, out, row and head strides
         ]
+        lib.qw_masked_argmax.restype = None
+        lib.qw_masked_argmax.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr]
         self.lib = lib
         self.path = path
         self.panel_width = int(lib.qw_gemm_panel_width())

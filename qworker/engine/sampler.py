@@ -34,7 +34,11 @@ from qworker.engine.penalties import TokenCounts
 from qworker.engine.sampler_output import SamplerOutput
 from qworker.engine.sampling_params import SamplingParams
 from qworker.engine.sequence import Sequence
-from qworker.engine.structured.bitmask import apply_token_bitmask, unpack_allowed
+from qworker.engine.structured.bitmask import (
+    apply_token_bitmask,
+    masked_argmax_cpu,
+    unpack_allowed,
+)
 from qworker.errors import InvalidRequestError
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -79,6 +83,7 @@ class Sampler:
         self._compile_timeout = compile_timeout
         self._counts: TokenCounts | None = None
         self._grammar: Any = None  # GrammarManager, built on the first structured request
+        self._kernels: Any = None  # CpuKernels, False where they cannot be built
 
     # ---- request admission (any thread) -------------------------------------------------
 
@@ -160,19 +165,24 @@ class Sampler:
                          np.array([rows[i].frequency_penalty for i in pen_rows]))
         if short:
             self._ban_until_min_tokens(x, seqs, short, masks)
-        if masks is not None:
-            allowed = unpack_allowed(masks.words, vocab, dev)
-            index = masks.index
-            if not (len(index) == allowed.shape[0] and (index == np.arange(len(index))).all()):
-                allowed = allowed.index_select(0, to_device(index, dev))
-            x = apply_token_bitmask(x, masks.rows, allowed)
-            if dev.type == "cuda":
-                event = torch.cuda.Event()
-                event.record()
-                self._grammar.copied(event)
-
-        tokens = x.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(rows) if r.temperature != 0.0]
+        kernels = (self._cpu_kernels() if masks is not None and not random_rows
+                   and x.dtype == torch.float32 else None)
+        if masks is not None and kernels is not None:  # one pass, no masked copy
+            tokens = masked_argmax_cpu(kernels, x, masks.rows, masks.index, masks.words)
+        else:
+            if masks is not None:
+                allowed = unpack_allowed(masks.words, vocab, dev)
+                index = masks.index
+                if not (len(index) == allowed.shape[0]
+                        and (index == np.arange(len(index))).all()):
+                    allowed = allowed.index_select(0, to_device(index, dev))
+                x = apply_token_bitmask(x, masks.rows, allowed)
+                if dev.type == "cuda":
+                    event = torch.cuda.Event()
+                    event.record()
+                    self._grammar.copied(event)
+            tokens = x.argmax(dim=-1)
         if random_rows:
             r_idx = to_device(random_rows, dev, np.int64)
             tokens.index_copy_(0, r_idx, self._draw(
@@ -189,6 +199,17 @@ class Sampler:
             if max(ks):
                 top_vals, top_ids = raw_lp.topk(max(ks), dim=-1)
         return SamplerOutput(tokens, lp_rows, ks, chosen, top_vals, top_ids)
+
+    def _cpu_kernels(self) -> Any:
+        """The compiled CPU kernels when this sampler runs on the CPU and they build here
+        (``qworker.cpu_kernels``), else None (the torch forms)."""
+        if self.device.type != "cpu":
+            return None
+        if self._kernels is None:
+            from qworker import cpu_kernels
+
+            self._kernels = cpu_kernels.load() or False
+        return self._kernels or None
 
     def _token_counts(self, vocab: int, dev: torch.device) -> TokenCounts:
         if self._counts is None or self._counts.vocab_size != vocab:

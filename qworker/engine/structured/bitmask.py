@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from qworker.cpu_kernels import CpuKernels
 from qworker.engine.device_copy import to_device
 
 _SHIFTS: dict[torch.device, torch.Tensor] = {}
@@ -44,3 +45,21 @@ def apply_token_bitmask(logits: torch.Tensor, rows: np.ndarray,
         full.index_copy_(0, to_device(rows, logits.device, np.int64), allowed)
         allowed = full
     return torch.where(allowed, logits, float("-inf"))
+
+
+def masked_argmax_cpu(kernels: CpuKernels, logits: torch.Tensor, rows: np.ndarray,
+                      index: np.ndarray, words: torch.Tensor) -> torch.Tensor:
+    """``apply_token_bitmask(logits, rows, allowed).argmax(-1)`` in one pass on the CPU.
+
+    Row ``rows[i]`` of fp32 ``logits`` may choose the tokens of mask row ``words[index[i]]``;
+    other rows choose among all tokens. Same result as the two-step form, ties and NaN
+    included (``qworker/cpu_kernels/token_mask.c``), without writing a masked copy.
+    """
+    x = logits if logits.stride(-1) == 1 else logits.contiguous()
+    w = words if words.is_contiguous() else words.contiguous()
+    word_row = np.full(x.shape[0], -1, dtype=np.int64)
+    word_row[rows] = index
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    kernels.lib.qw_masked_argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0),
+                                 w.data_ptr(), w.shape[1], word_row.ctypes.data, out.data_ptr())
+    return out
