@@ -33,7 +33,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SOURCES = ("pool.c", "gemm.c", "decode_attention.c", "token_mask.c")
-HEADERS = ("pool.h",)
+HEADERS = ("pool.h", "vec.h")
 _DIR = Path(__file__).resolve().parent
 _FLAGS = ("-O3", "-ffp-contract=fast", "-fPIC", "-shared", "-pthread")
 _LIB_NAME = "libqwcpu.so"

@@ -22,24 +22,7 @@
 #include <string.h>
 
 #include "pool.h"
-
-#if defined(__AVX512F__)
-#define VL 16
-#elif defined(__AVX__)
-#define VL 8
-#else
-#define VL 4
-#endif
-
-typedef float vf __attribute__((vector_size(VL * 4), aligned(4)));
-
-static inline vf vload(const float *p) {
-    vf v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
+#include "vec.h"
 
 /* Sum of the lanes, pairwise (halves added until one lane is left). */
 static inline float hsum(vf v) {

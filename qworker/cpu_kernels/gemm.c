@@ -27,33 +27,17 @@
 #include <string.h>
 
 #include "pool.h"
+#include "vec.h"
 
-#if defined(__AVX512F__)
-#define VL 16
-#define NC 4
-#elif defined(__AVX__)
-#define VL 8
-#define NC 2
-#elif defined(__aarch64__)
-#define VL 4
+/* NC vectors per panel row: enough independent accumulators to hide the FMA latency */
+#if VL == 16 || defined(__aarch64__)
 #define NC 4
 #else
-#define VL 4
 #define NC 2
 #endif
 #define MB_MAX 6
 #define PW (VL * NC)
 #define KC 512
-
-typedef float vf __attribute__((vector_size(VL * 4), aligned(4)));
-
-static inline vf vload(const float *p) {
-    vf v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
 /* y[m, 0:ncols] (+)= sum_{k < kn} x[m, k] * panel[k, 0:ncols] for m < MB. */
 #define DEFINE_TILE(MB)                                                                    \
