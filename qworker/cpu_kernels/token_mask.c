@@ -1,9 +1,10 @@
 /* Greedy choice under token bitmasks for the CPU: argmax over each row's allowed tokens.
  *
  * x [rows, vocab] fp32 logits (row stride ldx, unit element stride); words int32
- * [*, ceil(vocab / 32)] bitmasks (row stride ldw): bit t % 32 of word t / 32 allows
- * token t, as llguidance writes them (qworker/engine/structured/bitmask.py); word_row[r]
- * is row r's mask row, or -1 for an unconstrained row. out[r] = the first index of the
+ * [*, ldw] bitmasks, contiguous rows of ldw words: bit t % 32 of word t / 32 allows
+ * token t, as llguidance writes them (qworker/engine/structured/bitmask.py), and tokens
+ * past 32 * ldw are never allowed; word_row[r] is row r's mask row, or -1 for an
+ * unconstrained row. out[r] = the first index of the
  * largest allowed logit, exactly what torch.where(allowed, x, -inf).argmax(-1) returns:
  * a NaN wins (torch's argmax propagates it), and a row whose allowed logits are all -inf
  * (or that allows nothing) gives 0.
@@ -25,10 +26,12 @@ typedef struct {
     int64_t vocab, ldx, ldw;
 } argmax_job;
 
-static int64_t row_argmax(const float *x, const uint32_t *w, int64_t vocab) {
+static int64_t row_argmax(const float *x, const uint32_t *w, int64_t mask_words,
+                          int64_t vocab) {
     float best = -INFINITY;
     int64_t at = 0;
     int64_t nwords = (vocab + 31) / 32;
+    if (w && nwords > mask_words) nwords = mask_words; /* tokens past the mask: never allowed */
     for (int64_t j = 0; j < nwords; j++) {
         uint32_t bits = w ? w[j] : 0xFFFFFFFFu;
         if (!bits) continue;
@@ -50,7 +53,7 @@ static void argmax_chunk(const void *ctx, int64_t r) {
     const argmax_job *j = ctx;
     int64_t wr = j->word_row[r];
     const uint32_t *w = wr < 0 ? 0 : (const uint32_t *)(j->words + wr * j->ldw);
-    j->out[r] = row_argmax(j->x + r * j->ldx, w, j->vocab);
+    j->out[r] = row_argmax(j->x + r * j->ldx, w, j->ldw, j->vocab);
 }
 
 /* out[r] for every r < rows (see the top of this file). */

@@ -51,3 +51,16 @@ def test_masked_argmax_matches_where_then_argmax(kernel_cache: Path, vocab: int)
     index2 = np.array([6, 6, 1, 0, 3, 2, 5])
     got2 = masked_argmax_cpu(kernels, wide[:, :vocab], rows, index2, words)
     assert torch.equal(got2, _reference(wide[:, :vocab].contiguous(), rows, index2, words))
+
+
+def test_tokens_past_the_mask_are_never_chosen(kernel_cache: Path) -> None:
+    kernels = cpu_kernels.load(kernel_cache)
+    if kernels is None:
+        pytest.skip("no C compiler here (the sampler keeps the torch form)")
+    logits = torch.zeros(2, 100)
+    logits[:, 80] = 5.0  # the best logit lies past a 64-token mask
+    logits[:, 3] = 1.0
+    words = torch.zeros(1, 2, dtype=torch.int32)
+    words[0, 0] = 1 << 3
+    got = masked_argmax_cpu(kernels, logits, np.array([0]), np.array([0]), words)
+    assert got.tolist() == [3, 80]  # the masked row stays inside its mask; row 1 is free
