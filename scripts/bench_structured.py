@@ -33,21 +33,9 @@ from qworker.engine.config import EngineConfig
 from qworker.engine.engine import Engine
 from qworker.engine.sampling_params import SamplingParams
 from qworker.engine.structured.params import StructuredOutputsParams
-from qworker.testing.extraction import CASES
+from qworker.testing.extraction import CASES, cap_strings
 
 SMOLLM2_VOCAB = 49152
-
-
-def cap_strings(schema: Any, max_length: int) -> Any:
-    """``schema`` with every free-form string limited to ``max_length`` characters."""
-    if isinstance(schema, dict):
-        out = {k: cap_strings(v, max_length) for k, v in schema.items()}
-        if out.get("type") == "string" and "enum" not in out:
-            out["maxLength"] = max_length
-        return out
-    if isinstance(schema, list):
-        return [cap_strings(v, max_length) for v in schema]
-    return schema
 
 
 def smollm2_tokenizer_files(dest: Path, source: str | None = None) -> None:

@@ -111,3 +111,16 @@ REVIEW = ExtractionCase(
 )
 
 CASES: tuple[ExtractionCase, ...] = (PERSON, INVOICE, REVIEW)
+
+
+def cap_strings(schema: Any, max_length: int) -> Any:
+    """``schema`` with every free-form string (no ``enum``) limited to ``max_length``
+    characters: a random model's answers then end within a small ``max_tokens``."""
+    if isinstance(schema, dict):
+        out = {k: cap_strings(v, max_length) for k, v in schema.items()}
+        if out.get("type") == "string" and "enum" not in out:
+            out["maxLength"] = max_length
+        return out
+    if isinstance(schema, list):
+        return [cap_strings(v, max_length) for v in schema]
+    return schema

@@ -221,23 +221,11 @@ def test_bad_schemas_are_refused_and_the_batch_goes_on(tiny_chat_model_dir: Path
         _valid(out.outputs[0].text)
 
 
-def _short_strings(schema: Any, max_length: int) -> Any:
-    """``schema`` with every free string capped at ``max_length`` characters."""
-    if isinstance(schema, dict):
-        out = {k: _short_strings(v, max_length) for k, v in schema.items()}
-        if out.get("type") == "string" and "enum" not in out:
-            out["maxLength"] = max_length
-        return out
-    if isinstance(schema, list):
-        return [_short_strings(v, max_length) for v in schema]
-    return schema
-
-
 @pytest.mark.slow
 def test_smollm2_extraction_answers_validate_greedy_sampled_and_preempted(
     smollm2_hf_dir: Path,
 ) -> None:
-    from qworker.testing.extraction import PERSON, REVIEW
+    from qworker.testing.extraction import PERSON, REVIEW, cap_strings
 
     # Nested object, enums, bounded arrays, required fields, integers and a number; strings
     # capped so the answers stay short (the real model is slow on a CPU).
@@ -248,7 +236,7 @@ def test_smollm2_extraction_answers_validate_greedy_sampled_and_preempted(
         convs.append([{"role": "user", "content": case.prompt}])
         params.append(SamplingParams(temperature=temp, seed=seed, max_tokens=90,
                                      structured_outputs=StructuredOutputsParams(
-                                         json=_short_strings(case.schema, 16))))
+                                         json=cap_strings(case.schema, 16))))
     outs = llm.chat(convs, params, use_tqdm=False)
     assert llm.stats()["num_preemptions"] > 0
     for out, p in zip(outs, params, strict=True):
