@@ -10,7 +10,6 @@ dead thread (docs/operations.md, exit 70).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import threading
@@ -107,8 +106,7 @@ class EngineThread:
     def batch(self) -> AbstractContextManager[None]:
         """Requests submitted inside the block start in the same engine step (without it
         the thread, woken by the first, may step before the rest arrive)."""
-        hold = getattr(self.engine, "inbox_batch", None)
-        return hold() if hold is not None else contextlib.nullcontext()
+        return self.engine.inbox_batch()
 
     def abort(self, request_id: str) -> None:
         """Abort a request; its output comes back with finish_reason "abort"."""
