@@ -14,7 +14,9 @@
 // Work items: item w owns query row w (query + w * q_stride, heads HEAD_DIM apart), reads the
 // block-table row work_seq[w] (w itself when work_seq is null) and attends to context tokens
 // [start, ctx_lens[w]) where start = max(0, ctx_lens[w] - sliding_window) when a window is set,
-// else 0. A decode step passes one item per decoding sequence (the query is the last token);
+// else 0. With softcap_log2 > 0 (a soft-capped layer, Gemma 2: cap * tanh(s / cap) on the scaled
+// score s) each logit, kept in the log2 domain, becomes softcap_log2 * tanh(logit / softcap_log2)
+// with softcap_log2 = cap * log2(e), which is the same map. A decode step passes one item per decoding sequence (the query is the last token);
 // the "paged prefill" path passes one item per prefill token with ctx_len = its position + 1.
 //
 // Grid  : x = work item, y = kv_head * head_tiles + tile, z = partition (1 when not split).
@@ -220,7 +222,7 @@ __global__ void __launch_bounds__(qw::kThreads, 2) paged_attention_decode(
     const int num_kv_heads, const int group, const int head_tiles,
     const long long kv_block_stride, const long long kv_head_stride, const int block_shift,
     const float scale_log2, const int sliding_window, const int partition_size,
-    const int max_parts) {
+    const int max_parts, const float softcap_log2) {
   using namespace qw;
   constexpr int kBytes = DType<DT>::kBytes;
   constexpr int VEC = 16 / kBytes;                 // elements per 16-byte chunk
@@ -254,6 +256,7 @@ __global__ void __launch_bounds__(qw::kThreads, 2) paged_attention_decode(
 
   const int seq = work_seq != nullptr ? work_seq[w] : w;
   const int ctx = ctx_lens[w];
+  const float inv_cap = softcap_log2 > 0.f ? 1.f / softcap_log2 : 0.f;
   const int start = sliding_window > 0 ? max(0, ctx - sliding_window) : 0;
   int p_begin = start;
   int p_end = ctx;
@@ -351,7 +354,9 @@ __global__ void __launch_bounds__(qw::kThreads, 2) paged_attention_decode(
         const int t = t0 + u * TPW + gw;
         if (t < clen && (lig & ((TG >> SPLIT) - 1)) == 0) {
 #pragma unroll
-          for (int i = 0; i < NF; ++i) s_buf[t * GT + lo + i] = dot[i];
+          for (int i = 0; i < NF; ++i) {
+            s_buf[t * GT + lo + i] = softcap_log2 > 0.f ? softcap_log2 * tanhf(dot[i] * inv_cap) : dot[i];
+          }
         }
       }
     }

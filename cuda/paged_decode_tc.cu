@@ -29,6 +29,9 @@
 //   Per tile, on tensor cores (mma.m16n8k16, fp32 accumulate):
 //     S = Q K^T   A = Q (16 rows = the query heads, padded; d in k), B = K via ldmatrix:
 //                 S is [16 heads x 16 tokens] in two n8 tiles.
+//     soft-cap (softcap_log2 > 0, Gemma 2): each log2-domain logit l becomes
+//                 softcap_log2 * tanh(l / softcap_log2), softcap_log2 = cap * log2(e), i.e.
+//                 cap * tanh(s / cap) on the scaled score s, before the mask.
 //     online softmax per head row in fp32 (log2 domain), thread-partial row sums.
 //     O^T += V^T P^T   A = V^T via ldmatrix.trans (16 d rows x 16 tokens), B = P^T built
 //                 straight from the S accumulators (no transpose needed: S's rows are the
@@ -119,7 +122,7 @@ paged_decode_tc(void* __restrict__ out,            // [seqs, q_heads, D], rows o
                 const int num_kv_heads, const int group, const int head_tiles,
                 const long long kv_block_stride, const long long kv_head_stride,
                 const int block_shift, const float scale_log2, const int sliding_window,
-                const int partition_size) {
+                const int partition_size, const float softcap_log2) {
   using namespace qw;
   using L = DecodeLayout<KV8, HEAD_DIM>;
   constexpr int W = L::kWarps;
@@ -220,6 +223,7 @@ paged_decode_tc(void* __restrict__ out,            // [seqs, q_heads, D], rows o
     lscale *= kv_scales[0] * 256.f;  // e4m3 -> f16 by moving bits leaves a factor 2^-8
     vscale = kv_scales[1] * 256.f;
   }
+  const float inv_cap = softcap_log2 > 0.f ? 1.f / softcap_log2 : 0.f;
 
   const char* kc = static_cast<const char*>(key_cache);
   const char* vc = static_cast<const char*>(value_cache);
@@ -386,6 +390,7 @@ paged_decode_tc(void* __restrict__ out,            // [seqs, q_heads, D], rows o
         for (int e = 0; e < 2; ++e) {
           const int pos = pos0 + tt * 8 + 2 * t + e;
           float v = sacc[tt][2 * n + e] * lscale;
+          if (softcap_log2 > 0.f) v = softcap_log2 * tanhf(v * inv_cap);
           if (pos < p_lo || pos >= p_hi) v = QW_NEG_INF;
           p[tt][2 * n + e] = v;
           mx = fmaxf(mx, v);

@@ -25,7 +25,9 @@
 //   tokens go through a two-stage cp.async ring shared by the four warps (rows padded so
 //   ldmatrix is bank-conflict free, zero-filled outside [lo, hi)). Per KV tile and warp, on
 //   tensor cores (mma.m16n8k16, fp32 accumulate): S = Q K^T (16 rows x 32 keys: A = Q via
-//   ldmatrix, B = K via ldmatrix), mask, fp32 online softmax per row (log2 domain), then
+//   ldmatrix, B = K via ldmatrix), soft-cap when softcap_log2 > 0 (log2-domain logit l ->
+//   softcap_log2 * tanh(l / softcap_log2), softcap_log2 = cap * log2(e): cap * tanh(s / cap) on
+//   the scaled score, Gemma 2), mask, fp32 online softmax per row (log2 domain), then
 //   O += P V with P taken from the S accumulators as the A fragment and V via
 //   ldmatrix.trans (FP8: ldmatrix.trans of e4m3 pairs + prmt gives the B fragments of the
 //   even and the odd d columns of a 16-d group at once). O is 16 x HEAD_DIM per warp
@@ -87,7 +89,7 @@ __global__ void __launch_bounds__(128, HEAD_DIM <= 96 ? 3 : 2) paged_prefill_tc(
     const long long q_stride, const long long out_stride, const int bt_stride,
     const int num_kv_heads, const int group, const long long kv_block_stride,
     const long long kv_head_stride, const int block_shift, const float scale_log2,
-    const int sliding_window) {
+    const int sliding_window, const float softcap_log2) {
   using namespace qw;
   using L = PrefillLayout<KV8, HEAD_DIM>;
   constexpr int MT = KV8 ? 1 : DT;
@@ -146,6 +148,7 @@ __global__ void __launch_bounds__(128, HEAD_DIM <= 96 ? 3 : 2) paged_prefill_tc(
     lscale *= kv_scales[0] * 256.f;
     vscale = kv_scales[1] * 256.f;
   }
+  const float inv_cap = softcap_log2 > 0.f ? 1.f / softcap_log2 : 0.f;
 
   // This lane's two rows (g and g + 8 of the warp): their last visible key.
   const int ra = row0 + warp * 16 + g;
@@ -274,6 +277,7 @@ __global__ void __launch_bounds__(128, HEAD_DIM <= 96 ? 3 : 2) paged_prefill_tc(
         for (int e = 0; e < 2; ++e) {
           const int kp = pos0 + nt * 8 + 2 * t + e;
           float v = sacc[nt][2 * rr + e] * lscale;
+          if (softcap_log2 > 0.f) v = softcap_log2 * tanhf(v * inv_cap);
           if (kp > qp || kp < kv_lo || (sliding_window > 0 && kp <= qp - sliding_window)) v = QW_NEG_INF;
           sacc[nt][2 * rr + e] = v;
           mx = fmaxf(mx, v);

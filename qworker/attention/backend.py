@@ -97,7 +97,11 @@ class AttentionMetadata:
     past a sequence's last block (never read: ``seq_lens`` bounds every read).
     ``slot_mapping`` is -1 for padding tokens, whose K/V must not be written.
     ``max_query_len`` and ``max_seq_len`` are Python ints for launch sizing.
-    ``sliding_window`` (tokens, or None) limits how far back a query may attend.
+    ``sliding_window`` (tokens, or None) limits how far back a query may attend: query
+    position ``q`` sees keys ``k`` with ``q - window < k <= q``. ``logits_soft_cap`` (or
+    None) caps the scaled scores before the softmax: ``s -> cap * tanh(s / cap)`` (Gemma 2).
+    A model whose layers differ in either gets one derived metadata per (window, cap)
+    (``qworker.attention.paged_attention.current_metadata``).
 
     Optional, for speed: ``host_query_start_loc`` / ``host_seq_lens`` are host copies
     (numpy or lists) of the two tensors, which spares a backend the device-to-host read its
@@ -116,6 +120,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     sliding_window: int | None = None
+    logits_soft_cap: float | None = None
     host_query_start_loc: Any = None
     host_seq_lens: Any = None
     decode_plan: Any = None

@@ -7,7 +7,8 @@ layer, straight over the pages, with no padding of keys and values:
 * the blocks of every decoding sequence are gathered with one ``index_select`` per K
   and V (``[N, heads, block_size, D]``, N = the step's decode blocks, only those a
   sliding window can still see);
-* one batched matmul scores each block against its sequence's query rows;
+* one batched matmul scores each block against its sequence's query rows (soft-capped,
+  ``cap * tanh(s / cap)``, for layers whose metadata carries a cap);
 * the softmax runs over each sequence's blocks (the per-block maxima meet in a small
   padded ``[S, max_blocks]`` layout);
 * one batched matmul applies the probabilities to each block's values, and an
@@ -92,7 +93,8 @@ def _decode_plan(tables: torch.Tensor, lens: list[int], block_size: int,
 
 
 def _decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-            plan: _DecodePlan, scale: float, out: torch.Tensor) -> None:
+            plan: _DecodePlan, scale: float, out: torch.Tensor,
+            soft_cap: float | None = None) -> None:
     """Attention of the first ``plan.num_seqs`` query rows (one per decode) into ``out``."""
     num_seqs, heads, dim = plan.num_seqs, key_cache.shape[1], key_cache.shape[3]
     group = query.shape[1] // heads
@@ -107,7 +109,10 @@ def _decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Ten
                                             v.new_zeros(())))
     q = query[:num_seqs].to(fp32).view(num_seqs, heads, group, dim)
     scores = torch.matmul(q.index_select(0, plan.block_seq), k.transpose(-1, -2))
-    scores.mul_(scale).masked_fill_(plan.dead, float("-inf"))  # [N, H, G, B]
+    scores.mul_(scale)
+    if soft_cap is not None:
+        scores.div_(soft_cap).tanh_().mul_(soft_cap)
+    scores.masked_fill_(plan.dead, float("-inf"))  # [N, H, G, B]
     # Softmax over each sequence's blocks: per-block maxima, their per-sequence maximum
     # (through a small [S, max_blocks] layout), then unnormalised weights and sums.
     block_max = scores.amax(dim=-1)  # [N, H, G]
@@ -192,7 +197,7 @@ class CpuAttentionBackend(AttentionBackend):
             vc.data_ptr(), vc.stride(0), vc.stride(1), vc.stride(2),
             tables.data_ptr(), tables.stride(0), lens.data_ptr(),
             lens.shape[0], heads, kc.shape[1], dim, kc.shape[2], meta.sliding_window or 0,
-            scale, out.data_ptr(), out.stride(0), out.stride(1))
+            scale, meta.logits_soft_cap or 0.0, out.data_ptr(), out.stride(0), out.stride(1))
 
     def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float,
@@ -216,18 +221,20 @@ class CpuAttentionBackend(AttentionBackend):
             self._decode_kernel(query, key_cache, value_cache, meta, plan.decode_lens, scale,
                                 out)
         elif plan.decode is not None:
-            _decode(query, key_cache, value_cache, plan.decode, scale, out)
+            _decode(query, key_cache, value_cache, plan.decode, scale, out,
+                    meta.logits_soft_cap)
         if meta.num_decodes < meta.num_seqs:
             if key_cache.dtype != torch.float32:  # the contract's fp32 softmax/accumulation
                 out32 = out.float()
                 sdpa_prefill(query.float(), key_cache, value_cache, meta.block_tables,
                              plan.starts, plan.lens, meta.num_decodes, scale, out32,
-                             meta.sliding_window)
+                             meta.sliding_window, soft_cap=meta.logits_soft_cap)
                 first = plan.starts[meta.num_decodes]
                 out[first:] = out32[first:].to(out.dtype)
             else:
                 sdpa_prefill(query, key_cache, value_cache, meta.block_tables, plan.starts,
-                             plan.lens, meta.num_decodes, scale, out, meta.sliding_window)
+                             plan.lens, meta.num_decodes, scale, out, meta.sliding_window,
+                             soft_cap=meta.logits_soft_cap)
         return out
 
     # ---- block movement (plain torch, as the reference) -------------------------------

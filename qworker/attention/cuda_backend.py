@@ -112,7 +112,8 @@ class CudaAttentionBackend(AttentionBackend):
         self._ref = TorchAttentionBackend()
         self._logged: set[str] = set()
         self._num_sms: dict[int, int] = {}
-        self._host_meta: tuple[AttentionMetadata, list[int], list[int]] | None = None
+        # keyed on the step's slot_mapping, shared by every layer's metadata of one step
+        self._host_meta: tuple[torch.Tensor, list[int], list[int]] | None = None
         self._cupy: bool | None = None
         self._kernels: KernelRunner = kernels if kernels is not None else KERNELS
         self._emulated = kernels is not None
@@ -153,12 +154,12 @@ class CudaAttentionBackend(AttentionBackend):
     def _host_lists(self, meta: AttentionMetadata) -> tuple[list[int], list[int]]:
         """``query_start_loc`` and ``seq_lens`` on the host, fetched once per step's meta."""
         cached = self._host_meta
-        if cached is None or cached[0] is not meta:
+        if cached is None or cached[0] is not meta.slot_mapping:
             starts = meta.host_query_start_loc
             lens = meta.host_seq_lens
             starts = meta.query_start_loc.tolist() if starts is None else list(starts)
             lens = meta.seq_lens.tolist() if lens is None else list(lens)
-            cached = (meta, starts, lens)
+            cached = (meta.slot_mapping, starts, lens)
             self._host_meta = cached
         return cached[1], cached[2]
 
@@ -306,7 +307,8 @@ class CudaAttentionBackend(AttentionBackend):
                 self.last_decode = self._tc.last_decode
             else:
                 self.decode(query, out, key_cache, value_cache, tables, ctx.contiguous(), None,
-                            meta.max_seq_len, scale, meta.sliding_window)  # fmt: skip
+                            meta.max_seq_len, scale, meta.sliding_window,
+                            meta.logits_soft_cap)  # fmt: skip
         if num_decodes < meta.num_seqs:
             starts, lens = self._host_lists(meta)
             mode = self.prefill
@@ -320,7 +322,8 @@ class CudaAttentionBackend(AttentionBackend):
             self.last_prefill = mode
             if mode == "sdpa":
                 sdpa_prefill(query, key_cache, value_cache, tables, starts, lens, num_decodes,
-                             scale, out, meta.sliding_window, scales)  # fmt: skip
+                             scale, out, meta.sliding_window, scales,
+                             soft_cap=meta.logits_soft_cap)  # fmt: skip
             elif path == "tc":
                 self._tc.prefill(query, out, key_cache, value_cache, tables, meta, starts, lens,
                                  scale, scales)  # fmt: skip
@@ -356,7 +359,8 @@ class CudaAttentionBackend(AttentionBackend):
         ctx = (meta.seq_lens.to(torch.int64)[seq_ids] - ends + 1 + rows).to(torch.int32)
         self.decode(query[first:last], out[first:last], key_cache, value_cache, tables, ctx,
                     seq_ids.to(torch.int32), meta.max_seq_len, scale,
-                    sliding_window=meta.sliding_window)  # fmt: skip
+                    sliding_window=meta.sliding_window,
+                    soft_cap=meta.logits_soft_cap)  # fmt: skip
 
     def decode(
         self,
@@ -370,13 +374,15 @@ class CudaAttentionBackend(AttentionBackend):
         max_ctx: int,
         scale: float,
         sliding_window: int | None = None,
+        soft_cap: float | None = None,
     ) -> None:
         """Launch the decode kernel (and the reduce when split) for ``len(ctx_lens)`` items.
 
         Item ``w`` reads query row ``w`` of ``query`` [items, Hq, D] (rows may be strided),
         block-table row ``work_seq[w]`` (``w`` when None) and context ``[.., ctx_lens[w])``;
         it writes row ``w`` of ``out``. ``ctx_lens``/``work_seq``/``block_tables`` are int32
-        on the device; ``max_ctx`` bounds every ``ctx_lens`` entry (launch sizing only).
+        on the device; ``max_ctx`` bounds every ``ctx_lens`` entry (launch sizing only);
+        ``soft_cap`` caps the scaled scores (``cap * tanh(s / cap)``, None: no cap).
         """
         num_work = ctx_lens.shape[0]
         if num_work == 0:
@@ -404,6 +410,7 @@ class CudaAttentionBackend(AttentionBackend):
             i32(kv_heads), i32(group), i32(plan.head_tiles),
             i64(key_cache.stride(0)), i64(key_cache.stride(1)), i32(block_size.bit_length() - 1),
             f32(scale * _LOG2E), i32(window), i32(plan.partition_size), i32(plan.num_partitions),
+            f32((soft_cap or 0.0) * _LOG2E),
         )  # fmt: skip
         grid = (num_work, kv_heads * plan.head_tiles, plan.num_partitions)
         self._kernels.launch(kernel, grid, _BLOCK, args, device)

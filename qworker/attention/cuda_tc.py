@@ -82,9 +82,12 @@ class TcLauncher:
         self._emulated = emulated
         self._workspaces: dict[Any, Workspace] = {}
         self._retired: list[Workspace] = []  # outgrown ones stay alive (graphs may hold them)
-        # per-step caches hold the metadata object itself: an id() could be reused
-        self._step: tuple[AttentionMetadata, Any, Any] | None = None  # (meta, key, launch)
-        self._tiles: tuple[AttentionMetadata, int, torch.Tensor] | None = None
+        # Per-step caches hold the step's slot_mapping tensor itself (an id() could be
+        # reused): every layer's metadata of one step shares it, whatever its window or
+        # soft-cap (qworker.attention.paged_attention.current_metadata), and each step
+        # (each CUDA-graph run too) has a new one.
+        self._step: tuple[torch.Tensor, dict[Any, Any]] | None = None  # (slots, key -> launch)
+        self._tiles: tuple[torch.Tensor, int, torch.Tensor] | None = None
         self.last_decode: DecodeTcPlan | None = None
 
     # -- decode --------------------------------------------------------------------------
@@ -146,20 +149,22 @@ class TcLauncher:
         """Attend the ``len(seq_lens)`` decode rows of ``query`` into ``out``.
 
         Everything but the layer's own pointers (query, out, caches, scales) is worked out
-        once per step and reused by every layer."""
-        # id() of the fixed plan is stable: the cached metadata keeps it alive
+        once per step and (window, soft-cap, shape) and reused by every layer."""
+        # id() of the fixed plan is stable: the cached launch keeps it alive
         key = (query.dtype, kv_scales is not None, query.shape, key_cache.shape, query.stride(0),
                key_cache.stride(0), block_tables.data_ptr(), seq_lens.data_ptr(), scale,
-               id(meta.decode_plan))  # fmt: skip
+               seq_lens.shape[0], meta.max_seq_len, id(meta.decode_plan), meta.sliding_window,
+               meta.logits_soft_cap)  # fmt: skip
         cached = self._step
-        if cached is not None and cached[0] is meta and cached[1] == key:
-            launch = cached[2]
-        else:
+        if cached is None or cached[0] is not meta.slot_mapping:
+            cached = self._step = (meta.slot_mapping, {})
+        launch = cached[1].get(key)
+        if launch is None:
             launch = self._decode_launch(query, key_cache, block_tables, seq_lens, meta, scale,
                                          kv_scales is not None, num_sms, split_k,
                                          partition_size)  # fmt: skip
-            self._step = (meta, key, launch)
-        plan, kernel, grid, smem, head, tail = launch
+            cached[1][key] = (*launch, meta.decode_plan)
+        plan, kernel, grid, smem, head, tail = launch[:6]
         self.last_decode = plan
         args = (
             ptr(out), *head, ptr(query), ptr(key_cache), ptr(value_cache), *tail[:2],
@@ -215,6 +220,7 @@ class TcLauncher:
             i32(q_heads // kv_heads), i32(plan.head_tiles), i64(key_cache.stride(0)),
             i64(key_cache.stride(1)), i32(block_size.bit_length() - 1), f32(scale * _LOG2E),
             i32(meta.sliding_window or 0), i32(plan.partition_size),
+            f32((meta.logits_soft_cap or 0.0) * _LOG2E),
         )  # fmt: skip
         return plan, kernel, grid, plan.smem_bytes, head, tail
 
@@ -227,7 +233,7 @@ class TcLauncher:
         """The step's ``[tiles, 2]`` int32 table (sequence, first row), longest context
         first, on ``device`` (built once per step)."""
         cached = self._tiles
-        if cached is not None and cached[0] is meta and cached[1] == group:
+        if cached is not None and cached[0] is meta.slot_mapping and cached[1] == group:
             return cached[2]
         first = meta.num_decodes
         seqs = np.arange(first, meta.num_seqs)
@@ -244,7 +250,7 @@ class TcLauncher:
         order = np.argsort(-(past + last // group), kind="stable")
         table = np.stack([seq_of[order], row0[order]], axis=1).astype(np.int32)
         tiles = torch.from_numpy(np.ascontiguousarray(table)).to(device)
-        self._tiles = (meta, group, tiles)
+        self._tiles = (meta.slot_mapping, group, tiles)
         return tiles
 
     def prefill(
@@ -281,6 +287,7 @@ class TcLauncher:
             i64(query.stride(0)), i64(out.stride(0)), i32(block_tables.stride(0)),
             i32(kv_heads), i32(group), i64(key_cache.stride(0)), i64(key_cache.stride(1)),
             i32(block_size.bit_length() - 1), f32(scale * _LOG2E), i32(meta.sliding_window or 0),
+            f32((meta.logits_soft_cap or 0.0) * _LOG2E),
         )  # fmt: skip
         self._kernels.launch(kernel, (tiles.shape[0], kv_heads, 1), (128, 1, 1), args, device,
                              shared_mem=layout.smem_bytes)  # fmt: skip

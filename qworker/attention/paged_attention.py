@@ -1,12 +1,13 @@
 """The attention layer every model calls, bound to its slice of the paged KV pool.
 
 A model builds one ``PagedAttention`` per decoder layer with what the layer knows
-(heads, head size, scale, sliding window, layer index). The model runner binds every
-layer to its cache slice and the attention backend once (``bind_kv_cache``, again
-after the pool is reallocated), and wraps each forward in ``forward_context(meta)``,
+(heads, head size, scale, sliding window, logit soft-cap, layer index). The model runner
+binds every layer to its cache slice and the attention backend once (``bind_kv_cache``,
+again after the pool is reallocated), and wraps each forward in ``forward_context(meta)``,
 which carries the step's ``AttentionMetadata`` — built once per step, shared by every
-layer. A layer with its own sliding window gets the step's metadata with that window,
-derived once per step and window (Qwen2-style models mix windowed and full layers).
+layer. A layer with its own sliding window or soft-cap gets the step's metadata with
+those, derived once per step and (window, cap) pair (Qwen2-style models mix windowed and
+full layers; Gemma alternates them, Gemma 2 soft-caps every layer's scores).
 
 So no model threads ``(kv_cache, meta, backend)`` through its forwards, and the cache
 write plus attention call live here only.
@@ -25,10 +26,13 @@ from torch import nn
 
 from qworker.attention.backend import AttentionBackend, AttentionMetadata, KVCache
 
+#: What a layer's metadata is derived for: (sliding window, logit soft-cap).
+LayerKey = tuple[int | None, float | None]
+
 
 class _State(threading.local):
     meta: AttentionMetadata | None = None
-    by_window: dict[int | None, AttentionMetadata] | None = None
+    by_window: dict[LayerKey, AttentionMetadata] | None = None
     plans: dict[int | None, Any] | None = None
 
 
@@ -52,24 +56,29 @@ def forward_context(meta: AttentionMetadata,
         _STATE.meta, _STATE.by_window, _STATE.plans = saved
 
 
-def current_metadata(sliding_window: int | None) -> AttentionMetadata:
-    """The current step's metadata for a layer with ``sliding_window`` (None: full)."""
+def current_metadata(sliding_window: int | None, logits_soft_cap: float | None = None
+                     ) -> AttentionMetadata:
+    """The current step's metadata for a layer with ``sliding_window`` (None: full) and
+    ``logits_soft_cap`` (None: no cap)."""
     by_window = _STATE.by_window
     if by_window is None or _STATE.meta is None:
         raise RuntimeError("PagedAttention called outside forward_context(): the model "
                            "runner sets the step's metadata around each forward")
-    meta = by_window.get(sliding_window)
+    key = (sliding_window, logits_soft_cap)
+    meta = by_window.get(key)
     if meta is None:
-        # Tensors are shared: only the window (and its fixed plan) differs, made once per
-        # step and window.
+        # Tensors are shared: only the window, the cap (and the window's fixed plan)
+        # differ, made once per step and (window, cap).
         meta = _STATE.meta
         plans = _STATE.plans
         if plans is not None:
             meta = dataclasses.replace(meta, sliding_window=sliding_window,
+                                       logits_soft_cap=logits_soft_cap,
                                        decode_plan=plans.get(sliding_window))
-        elif meta.sliding_window != sliding_window:
-            meta = dataclasses.replace(meta, sliding_window=sliding_window)
-        by_window[sliding_window] = meta
+        elif (meta.sliding_window, meta.logits_soft_cap) != key:
+            meta = dataclasses.replace(meta, sliding_window=sliding_window,
+                                       logits_soft_cap=logits_soft_cap)
+        by_window[key] = meta
     return meta
 
 
@@ -77,12 +86,16 @@ class PagedAttention(nn.Module):
     """Write this step's K/V into the layer's cache slice, then attend over the pages.
 
     ``scale`` multiplies the query-key dot products (``head_dim ** -0.5`` for most
-    models; 1.0 where the model pre-scales its queries, as OPT does). The layer holds no
-    parameters; its cache and backend come from ``bind_kv_cache``.
+    models; 1.0 where the model pre-scales its queries, as OPT does; Gemma's
+    ``query_pre_attn_scalar ** -0.5``). ``sliding_window``: keys more than ``window - 1``
+    positions back are not seen; ``logits_soft_cap``: scaled scores become
+    ``cap * tanh(s / cap)`` before the mask and softmax. The layer holds no parameters;
+    its cache and backend come from ``bind_kv_cache``.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 layer_idx: int, sliding_window: int | None = None) -> None:
+                 layer_idx: int, sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} query heads are not a multiple of "
@@ -93,6 +106,9 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.layer_idx = layer_idx
         self.sliding_window = sliding_window
+        if logits_soft_cap is not None and not logits_soft_cap > 0:
+            raise ValueError(f"logits_soft_cap must be positive, got {logits_soft_cap}")
+        self.logits_soft_cap = logits_soft_cap
         self.key_cache: torch.Tensor | None = None
         self.value_cache: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
@@ -105,7 +121,7 @@ class PagedAttention(nn.Module):
         if backend is None or key_cache is None or value_cache is None:
             raise RuntimeError(f"attention layer {self.layer_idx} has no KV cache: the "
                                "model runner binds one with bind_kv_cache()")
-        meta = current_metadata(self.sliding_window)
+        meta = current_metadata(self.sliding_window, self.logits_soft_cap)
         num_tokens = query.shape[0]
         q = query.view(num_tokens, self.num_heads, self.head_dim)
         k = key.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -116,7 +132,8 @@ class PagedAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"layer={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
-                f"head_dim={self.head_dim}, window={self.sliding_window}")
+                f"head_dim={self.head_dim}, window={self.sliding_window}, "
+                f"soft_cap={self.logits_soft_cap}")
 
 
 def attention_layers(model: nn.Module) -> list[PagedAttention]:

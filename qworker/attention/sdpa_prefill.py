@@ -7,9 +7,13 @@ sequence (a handful per step) the context's blocks are gathered with one ``index
 per K and V, and ``torch.nn.functional.scaled_dot_product_attention`` runs with
 ``causal_lower_right`` (FlashAttention on CUDA), GQA through ``enable_gqa`` where the
 installed torch serves it, else with K/V heads repeated. A sliding window becomes an
-explicit boolean mask. An FP8 cache is gathered as stored and widened times its scales
-(``kv_scales``, see :mod:`qworker.attention.fp8`). Runs on any device torch supports, which
-lets CPU tests check it against :mod:`qworker.attention.torch_ref`.
+explicit boolean mask. SDPA has no soft-cap, so a soft-capped layer (Gemma 2) attends
+through an explicit fp32 form instead (scores, ``cap * tanh(s / cap)``, mask, softmax,
+values), a bounded number of query rows at a time so its score matrix stays small
+(``CAPPED_SCORE_ELEMS``); the choice is logged once. An FP8 cache is gathered as stored
+and widened times its scales (``kv_scales``, see :mod:`qworker.attention.fp8`). Runs on
+any device torch supports, which lets CPU tests check it against
+:mod:`qworker.attention.torch_ref`.
 """
 
 from __future__ import annotations
@@ -23,6 +27,10 @@ from torch.nn.attention.bias import causal_lower_right
 logger = logging.getLogger(__name__)
 
 _gqa_native: dict[str, bool] = {}
+_capped_logged: set[str] = set()
+
+#: Most fp32 score elements (heads x query rows x keys) the soft-capped form holds at once.
+CAPPED_SCORE_ELEMS = 1 << 25
 
 
 def gather_context(cache: torch.Tensor, table_row: torch.Tensor, ctx_len: int) -> torch.Tensor:
@@ -70,6 +78,44 @@ def _attend(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
 
 
+def _attend_capped(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float,
+) -> torch.Tensor:
+    """Soft-capped attention of ``q`` [1, Hq, Lq, D] over ``k``/``v`` [1, Hkv, Lk, D],
+    bottom-right causal, in fp32 (the contract's softmax precision); ``q``'s dtype out."""
+    _, heads, q_len, dim = q.shape
+    kv_heads, k_len = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    if q.device.type not in _capped_logged:
+        _capped_logged.add(q.device.type)
+        logger.info("soft-capped prefill on %s: explicit fp32 attention (SDPA has no "
+                    "soft-cap)", q.device.type)
+    kf = k[0].float().unsqueeze(1).transpose(-1, -2)  # [Hkv, 1, D, Lk]
+    vf = v[0].float().unsqueeze(1)  # [Hkv, 1, Lk, D]
+    out = torch.empty((heads, q_len, dim), dtype=q.dtype, device=q.device)
+    rows = max(1, CAPPED_SCORE_ELEMS // max(1, heads * k_len))
+    k_pos = torch.arange(k_len, device=q.device).unsqueeze(0)
+    for r0 in range(0, q_len, rows):
+        r1 = min(q_len, r0 + rows)
+        qs = q[0, :, r0:r1].float().reshape(kv_heads, group, r1 - r0, dim)
+        scores = torch.matmul(qs, kf) * scale  # [Hkv, G, rows, Lk]
+        scores = torch.tanh(scores / soft_cap) * soft_cap
+        q_pos = torch.arange(k_len - q_len + r0, k_len - q_len + r1, device=q.device)
+        q_pos = q_pos.unsqueeze(1)
+        mask = k_pos > q_pos
+        if sliding_window is not None:
+            mask |= k_pos <= q_pos - sliding_window
+        scores.masked_fill_(mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[:, r0:r1] = torch.matmul(probs, vf).reshape(heads, r1 - r0, dim).to(q.dtype)
+    return out.unsqueeze(0)
+
+
 def sdpa_prefill(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -82,13 +128,15 @@ def sdpa_prefill(
     out: torch.Tensor,
     sliding_window: int | None = None,
     kv_scales: torch.Tensor | None = None,
+    soft_cap: float | None = None,
 ) -> None:
     """Attend the query rows of sequences ``first_seq..`` (host lists ``query_starts``, one
     longer than ``seq_lens``) over their cached context, writing into ``out``.
 
     ``query``/``out`` are ``[num_tokens, Hq, D]``; the caches one layer's
     ``[num_blocks, Hkv, block_size, D]``, already holding this step's K/V; ``kv_scales``
-    the layer's ``{k_scale, v_scale}`` when they hold FP8.
+    the layer's ``{k_scale, v_scale}`` when they hold FP8; ``soft_cap`` the layer's
+    logit soft-cap (None: none).
     """
     for s in range(first_seq, len(seq_lens)):
         q0, q1 = query_starts[s], query_starts[s + 1]
@@ -103,5 +151,8 @@ def sdpa_prefill(
             v = (v.float() * kv_scales[1]).to(q.dtype)
         elif k.dtype != q.dtype:
             k, v = k.to(q.dtype), v.to(q.dtype)
-        o = _attend(q, k, v, scale, sliding_window)
+        if soft_cap is not None:
+            o = _attend_capped(q, k, v, scale, sliding_window, soft_cap)
+        else:
+            o = _attend(q, k, v, scale, sliding_window)
         out[q0:q1] = o[0].transpose(0, 1).to(out.dtype)

@@ -3,7 +3,9 @@
 It is the oracle every other backend is tested against and the CPU path, so it
 favours plainness over speed: per sequence, gather the blocks named by the block
 table into a contiguous ``[context, kv_heads, head_dim]`` tensor and run a causal
-softmax attention in fp32. It runs on any device torch supports. An FP8 cache
+softmax attention in fp32 (scores soft-capped first when the layer's metadata asks,
+``cap * tanh(s / cap)`` as transformers' Gemma 2 does, then masked by causality and
+the sliding window). It runs on any device torch supports. An FP8 cache
 (:mod:`qworker.attention.fp8`) is written with :func:`~qworker.attention.fp8.quantize`
 and read back times its scales, in fp32.
 """
@@ -82,6 +84,9 @@ class TorchAttentionBackend(AttentionBackend):
                 k, v = k * k_scale, v * v_scale
             q = query[q0:q1].float().transpose(0, 1)  # [heads, q_len, D]
             scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [heads, q_len, seq_len]
+            cap = meta.logits_soft_cap
+            if cap is not None:
+                scores = torch.tanh(scores / cap) * cap
             q_len = q1 - q0
             q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)
             k_pos = torch.arange(seq_len, device=query.device).unsqueeze(0)

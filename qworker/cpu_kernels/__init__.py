@@ -63,7 +63,7 @@ class CpuKernels:
             _ptr, _i64, _i64, _i64,  # v cache
             _ptr, _i64, _ptr,  # block tables, row stride, seq lens
             _i64, _i64, _i64, _i64, _i64, _i64,  # seqs, q heads, kv heads, dim, block, window
-            _f32, _ptr, _i64, _i64,  # scale, out, row and head strides
+            _f32, _f32, _ptr, _i64, _i64,  # scale, soft-cap (0: none), out, row/head strides
         ]
         lib.qw_masked_argmax.restype = None
         lib.qw_masked_argmax.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr]

@@ -4,7 +4,8 @@
  * stride); the caches [num_blocks, Hkv, B, D] (any block/head/token strides, unit
  * element stride), fp32; block_tables int32 [S, >= ceil(len / B)]; seq_lens int64 [S]
  * count the tokens in the cache, this step's included. Query head qh reads KV head
- * qh / (Hq / Hkv) (GQA/MQA). With window > 0 only the last `window` tokens are seen.
+ * qh / (Hq / Hkv) (GQA/MQA). With window > 0 only the last `window` tokens are seen; with
+ * softcap > 0 each scaled score s becomes softcap * tanh(s / softcap) (Gemma 2).
  *
  * Work: one task per (sequence, KV head): the task scores the G = Hq / Hkv query heads
  * of that KV head against each token (every K row loaded once for the G dot products),
@@ -13,7 +14,8 @@
  * (pool.c) in chunks; slots past a sequence's length are never read.
  *
  * Rounding: fp32 throughout, as the torch reference (qworker/attention/torch_ref.py):
- * scores q.k times scale, p = exp(s - max), out = (sum p v) / (sum p). Tested against
+ * scores q.k times scale (then soft-capped), p = exp(s - max), out = (sum p v) / (sum p).
+ * Tested against
  * it by tests/attention/test_cpu_backend.py.
  */
 #include <math.h>
@@ -74,7 +76,7 @@ typedef struct {
     int64_t q_row, q_head, out_row, out_head;
     int64_t k_block, k_head, k_tok, v_block, v_head, v_tok, bt_row;
     int64_t num_kv_heads, group, head_dim, block_size, window, tasks_per_chunk, num_tasks;
-    float scale;
+    float scale, softcap;
 } attn_job;
 
 #define STACK_FLOATS 8192
@@ -96,6 +98,10 @@ static void attend_one(const attn_job *j, int64_t s, int64_t h) {
                          (pos % bs) * j->k_tok;
         for (int64_t g = 0; g < g_count; g++)
             scores[g * n + t] = dot(q0 + g * j->q_head, k, d) * j->scale;
+    }
+    if (j->softcap > 0.0f) {
+        const float cap = j->softcap;
+        for (int64_t i = 0; i < g_count * n; i++) scores[i] = cap * tanhf(scores[i] / cap);
     }
     float total[64], *tot = g_count <= 64 ? total : malloc((size_t)g_count * sizeof(float));
     if (!tot) {
@@ -140,7 +146,7 @@ void qw_decode_attention(const float *q, int64_t q_row, int64_t q_head, const fl
                          const int32_t *block_tables, int64_t bt_row, const int64_t *seq_lens,
                          int64_t num_seqs, int64_t num_q_heads, int64_t num_kv_heads,
                          int64_t head_dim, int64_t block_size, int64_t window, float scale,
-                         float *out, int64_t out_row, int64_t out_head) {
+                         float softcap, float *out, int64_t out_row, int64_t out_head) {
     int64_t tasks = num_seqs * num_kv_heads;
     int64_t group = num_q_heads / num_kv_heads;
     int64_t tokens = 0;
@@ -152,6 +158,6 @@ void qw_decode_attention(const float *q, int64_t q_row, int64_t q_head, const fl
     if (per_chunk < even) per_chunk = even;
     attn_job j = {q, k_cache, v_cache, out, block_tables, seq_lens, q_row, q_head, out_row,
                   out_head, k_block, k_head, k_tok, v_block, v_head, v_tok, bt_row, num_kv_heads,
-                  group, head_dim, block_size, window, per_chunk, tasks, scale};
+                  group, head_dim, block_size, window, per_chunk, tasks, scale, softcap};
     qw_pool_run(attn_chunk, &j, (tasks + per_chunk - 1) / per_chunk);
 }

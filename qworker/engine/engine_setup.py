@@ -120,6 +120,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
             f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
             f"{spec.max_position_embeddings}"
         )
+    loaded.model.set_max_model_len(max_model_len)
     backend = select_backend(config.attention_backend, device)
     if device.type == "cuda":  # the kernel path has the small ops fused too; "torch" has not
         fused_kernels.enable(fused_kernels.FusedKernels() if backend.name == "cuda" else None)

@@ -47,3 +47,8 @@ class CausalLM(nn.Module, ABC):
     @abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Project hidden states ``[n, hidden]`` to fp32 logits ``[n, vocab_size]``."""
+
+    def set_max_model_len(self, max_model_len: int) -> None:
+        """Told once by the engine, before the first forward, how long its sequences may
+        grow (``max_model_len`` tokens). Models whose numerics depend on it override this
+        (longrope picks its short or long factors by it); the default ignores it."""

@@ -1,10 +1,11 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3) with a paged KV cache.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3/4) with a paged KV cache.
 
-One implementation covers the four: they differ only in configuration (attention
-bias, per-head q/k RMSNorm for Qwen3, sliding windows, RoPE scaling), which is read
-from the transformers config object. Parameter names mirror transformers' so a
-checkpoint loads by name, except that q/k/v and gate/up are fused into one matmul
-each (``qkv_proj``, ``gate_up_proj``) for speed.
+One implementation covers the five: they differ only in configuration (attention
+bias, per-head q/k RMSNorm for Qwen3, sliding windows, RoPE scaling, partial rotary),
+which is read from the transformers config object. Parameter names mirror
+transformers' so a checkpoint loads by name, except that q/k/v and gate/up are fused
+into one matmul each (``qkv_proj``, ``gate_up_proj``) for speed; Phi-3 checkpoints
+ship them fused already, under those very names.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from qworker.attention.paged_attention import PagedAttention
 from qworker.models.base import CausalLM, ModelSpec
 from qworker.models.layers import FusedLinear, Linear, RMSNorm, activation
 from qworker.models.ops import gated_act, linear, rotate_qk
-from qworker.models.rope import RotaryEmbedding
+from qworker.models.rope import RotaryEmbedding, original_max_positions
 from qworker.models.weights import StackedRule, check_all_loaded, load_weights
 
 #: The step's RoPE state: positions, cos/sin tables, and the cos/sin gathered at the first
@@ -136,17 +137,31 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embeddings, decoder layers and the final norm (transformers' ``model.`` prefix)."""
+    """Embeddings, decoder layers and the final norm (transformers' ``model.`` prefix).
 
-    def __init__(self, config: Any) -> None:
+    ``partial_rotary``: RoPE may cover only part of each head (Phi-3/4's
+    ``partial_rotary_factor``)."""
+
+    def __init__(self, config: Any, partial_rotary: bool = False) -> None:
         super().__init__()
+        self.config = config
+        self.partial_rotary = partial_rotary
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.rotary = RotaryEmbedding(config, _head_dim(config), config.max_position_embeddings)
+        self.rotary = self.build_rotary(config.max_position_embeddings)
         windows = layer_sliding_windows(config)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, windows[i]) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def build_rotary(self, context_len: int) -> RotaryEmbedding:
+        """RoPE tables for a context of ``context_len`` tokens: a ``longrope`` model takes
+        its long factors when that exceeds its original length (``qworker.models.rope``)."""
+        config = self.config
+        original = original_max_positions(config)
+        return RotaryEmbedding(config, _head_dim(config), config.max_position_embeddings,
+                               long_context=original is not None and context_len > original,
+                               partial_rotary=self.partial_rotary)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Final hidden states of the step's flattened tokens."""
@@ -176,10 +191,13 @@ class LlamaForCausalLM(CausalLM):
         (".up_proj.", ".gate_up_proj.", "up"),
     ]
 
+    #: Whether RoPE may cover only part of each head (Phi-3/4).
+    partial_rotary: ClassVar[bool] = False
+
     def __init__(self, config: Any, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = LlamaModel(config, self.partial_rotary)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
@@ -203,6 +221,12 @@ class LlamaForCausalLM(CausalLM):
         """Share the embedding matrix with the LM head when the config ties them."""
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def set_max_model_len(self, max_model_len: int) -> None:
+        """A ``longrope`` model picks its short or long factors by the engine's context
+        length (see ``qworker.models.rope``); other RoPE types are unaffected."""
+        if original_max_positions(self.config) is not None:
+            self.model.rotary = self.model.build_rotary(max_model_len)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Run every layer over the step's flattened tokens; return final hidden states."""
@@ -231,3 +255,11 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3: Llama with per-head RMSNorm on queries and keys before RoPE."""
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3 and Phi-4: Llama with checkpoint-fused ``qkv_proj`` / ``gate_up_proj`` (loaded
+    by name into the same fused layers), a sliding window on every layer when the config
+    sets one, ``longrope`` scaling and partial rotary (Phi-4-mini)."""
+
+    partial_rotary = True

@@ -22,7 +22,7 @@ import torch
 
 from qworker.errors import ModelLoadError
 from qworker.models.base import CausalLM, ModelSpec
-from qworker.models.registry import model_class, resolve_architecture
+from qworker.models.registry import SAFETENSORS_ONLY, model_class, resolve_architecture
 from qworker.models.sources import PICKLE_SUFFIXES, default_cache_dir, resolve_source
 
 logger = logging.getLogger(__name__)
@@ -115,6 +115,9 @@ def load_model(
                 "model_type": config.model_type,
             }
         )
+        if architecture in SAFETENSORS_ONLY:
+            raise ModelLoadError(f"{architecture} is not supported from GGUF ({gguf.name}); "
+                                 "load its safetensors checkpoint")
         model = _build(architecture, config, dtype, device)
         model.load_weights(load_gguf_tensors(gguf, config, raw_config, dtype))
         source = gguf

@@ -80,7 +80,8 @@ def rotate_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     """
     fused = active_for(q)
     if (fused is not None and q.stride(2) == 1 and k.stride(2) == 1
-            and q.stride(1) == q.shape[2] and k.stride(1) == k.shape[2]):
+            and q.stride(1) == q.shape[2] and k.stride(1) == k.shape[2]
+            and 2 * tables[0].shape[-1] == q.shape[2]):  # the kernel rotates whole heads
         return fused.rotary(q, k, positions, tables[0], tables[1])
     if not gathered:
         gathered.extend((tables[0][positions].unsqueeze(1), tables[1][positions].unsqueeze(1)))
@@ -90,8 +91,13 @@ def rotate_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` ``[T, heads, D]`` (NeoX halves) by per-token ``cos``/``sin``
-    ``[T, 1, D / 2]`` (the step's positions, gathered once per step)."""
-    half = x.shape[-1] // 2
+    ``[T, 1, R / 2]`` (the step's positions, gathered once per step). With partial
+    rotary (``R < D``, Phi-3/4) only the first ``R`` dimensions of each head rotate and
+    the rest pass through, as transformers' Phi-3 does."""
+    half = cos.shape[-1]
     x1 = x[..., :half]
-    x2 = x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    x2 = x[..., half : 2 * half]
+    rotated = (x1 * cos - x2 * sin, x2 * cos + x1 * sin)
+    if 2 * half == x.shape[-1]:
+        return torch.cat(rotated, dim=-1)
+    return torch.cat((*rotated, x[..., 2 * half :]), dim=-1)

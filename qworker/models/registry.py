@@ -14,7 +14,17 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("qworker.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("qworker.models.llama", "Qwen3ForCausalLM"),
     "OPTForCausalLM": ("qworker.models.opt", "OPTForCausalLM"),
+    "Phi3ForCausalLM": ("qworker.models.llama", "Phi3ForCausalLM"),
+    "Gemma2ForCausalLM": ("qworker.models.gemma", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("qworker.models.gemma", "Gemma3ForCausalLM"),
+    "Gemma3ForConditionalGeneration": ("qworker.models.gemma", "Gemma3ForConditionalGeneration"),
 }
+
+#: Architectures loaded from safetensors only: their GGUF conversions (norm offsets, fused
+#: tensors) are not tested here, so a GGUF of them is refused rather than risked.
+SAFETENSORS_ONLY = frozenset(
+    {"Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"}
+)
 
 _MODEL_TYPES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
@@ -22,6 +32,10 @@ _MODEL_TYPES: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "opt": "OPTForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
 }
 
 
