@@ -1,10 +1,15 @@
 // Paged decode attention over a block-table KV cache, with an optional split-K pass.
 //
 // Kernels
-//   paged_attention_decode<DT, HEAD_DIM, GT>   one CTA per (work item, KV head x head tile, partition)
+//   paged_attention_decode<DT, HEAD_DIM, GT, CAP>  one CTA per (work item, KV head x head tile,
+//                                              partition)
 //   paged_attention_reduce<DT>                 one CTA per (query head, work item); merges partitions
 //   DT: 0 = float32, 1 = float16, 2 = bfloat16 (storage of query, cache and output).
 //   HEAD_DIM: a multiple of 16 up to 256. GT: query heads served per CTA (1, 2, 4 or 8).
+//   CAP: 1 = a soft-capped layer (Gemma 2: cap * tanh(s / cap) on each scaled score s); each
+//   logit, kept in the log2 domain, becomes softcap_log2 * tanh(logit / softcap_log2) with
+//   softcap_log2 = cap * log2(e), the same map. CAP = 0 (the default, every other model)
+//   compiles without it and ignores softcap_log2.
 //
 // KV layout (qworker/attention/backend.py), one layer:
 //   key_cache, value_cache : [num_blocks, num_kv_heads, block_size, HEAD_DIM], HEAD_DIM contiguous.
@@ -14,9 +19,7 @@
 // Work items: item w owns query row w (query + w * q_stride, heads HEAD_DIM apart), reads the
 // block-table row work_seq[w] (w itself when work_seq is null) and attends to context tokens
 // [start, ctx_lens[w]) where start = max(0, ctx_lens[w] - sliding_window) when a window is set,
-// else 0. With softcap_log2 > 0 (a soft-capped layer, Gemma 2: cap * tanh(s / cap) on the scaled
-// score s) each logit, kept in the log2 domain, becomes softcap_log2 * tanh(logit / softcap_log2)
-// with softcap_log2 = cap * log2(e), which is the same map. A decode step passes one item per decoding sequence (the query is the last token);
+// else 0. A decode step passes one item per decoding sequence (the query is the last token);
 // the "paged prefill" path passes one item per prefill token with ctx_len = its position + 1.
 //
 // Grid  : x = work item, y = kv_head * head_tiles + tile, z = partition (1 when not split).
@@ -206,7 +209,7 @@ __device__ __forceinline__ void split_steps(float (&v)[GT], int lane, int& lo) {
 
 }  // namespace qw
 
-template <int DT, int HEAD_DIM, int GT>
+template <int DT, int HEAD_DIM, int GT, int CAP = 0>
 __global__ void __launch_bounds__(qw::kThreads, 2) paged_attention_decode(
     void* __restrict__ out,              // [num_work, num_q_heads, HEAD_DIM] rows out_stride apart
     float* __restrict__ part_out,        // [num_work, num_q_heads, max_parts, HEAD_DIM] (split only)
@@ -256,7 +259,7 @@ __global__ void __launch_bounds__(qw::kThreads, 2) paged_attention_decode(
 
   const int seq = work_seq != nullptr ? work_seq[w] : w;
   const int ctx = ctx_lens[w];
-  const float inv_cap = softcap_log2 > 0.f ? 1.f / softcap_log2 : 0.f;
+  const float inv_cap = CAP != 0 ? 1.f / softcap_log2 : 0.f;
   const int start = sliding_window > 0 ? max(0, ctx - sliding_window) : 0;
   int p_begin = start;
   int p_end = ctx;
@@ -355,7 +358,11 @@ __global__ void __launch_bounds__(qw::kThreads, 2) paged_attention_decode(
         if (t < clen && (lig & ((TG >> SPLIT) - 1)) == 0) {
 #pragma unroll
           for (int i = 0; i < NF; ++i) {
-            s_buf[t * GT + lo + i] = softcap_log2 > 0.f ? softcap_log2 * tanhf(dot[i] * inv_cap) : dot[i];
+            if constexpr (CAP != 0) {
+              s_buf[t * GT + lo + i] = softcap_log2 * tanhf(dot[i] * inv_cap);
+            } else {
+              s_buf[t * GT + lo + i] = dot[i];
+            }
           }
         }
       }

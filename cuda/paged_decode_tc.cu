@@ -2,12 +2,14 @@
 // with split-KV and the split merge in the same launch.
 //
 // Kernel
-//   paged_decode_tc<DT, KV8, HEAD_DIM, NT>
+//   paged_decode_tc<DT, KV8, HEAD_DIM, NT, CAP>
 //   DT: 1 = float16, 2 = bfloat16 (query, output; cache too unless KV8).
 //   KV8: 1 = the cache holds FP8 E4M3 with one scale per layer for K and one for V
 //        (kv_scales = {k_scale, v_scale}, see qworker/attention/fp8.py); the tensor cores then
 //        run in f16 (e4m3 widens to f16 exactly), the query is converted to f16.
 //   HEAD_DIM: a multiple of 16 up to 256. NT: query heads per CTA in units of 8 (1 or 2).
+//   CAP: 1 = a soft-capped layer (Gemma 2), see the softmax step below; 0 (the default) compiles
+//   without it and ignores softcap_log2.
 //
 // KV layout (qworker/attention/backend.py), one layer:
 //   key_cache, value_cache : [num_blocks, num_kv_heads, block_size, HEAD_DIM], HEAD_DIM contiguous;
@@ -29,7 +31,7 @@
 //   Per tile, on tensor cores (mma.m16n8k16, fp32 accumulate):
 //     S = Q K^T   A = Q (16 rows = the query heads, padded; d in k), B = K via ldmatrix:
 //                 S is [16 heads x 16 tokens] in two n8 tiles.
-//     soft-cap (softcap_log2 > 0, Gemma 2): each log2-domain logit l becomes
+//     soft-cap (CAP = 1): each log2-domain logit l becomes
 //                 softcap_log2 * tanh(l / softcap_log2), softcap_log2 = cap * log2(e), i.e.
 //                 cap * tanh(s / cap) on the scaled score s, before the mask.
 //     online softmax per head row in fp32 (log2 domain), thread-partial row sums.
@@ -104,7 +106,7 @@ __device__ __forceinline__ float quad_sum(float v) {
 
 }  // namespace qw
 
-template <int DT, int KV8, int HEAD_DIM, int NT>
+template <int DT, int KV8, int HEAD_DIM, int NT, int CAP = 0>
 // Register cap: 128 per thread for 4-warp CTAs (4 CTAs' worth); 2-warp CTAs (head 256) are
 // held to 2 per SM by shared memory anyway, so they may use up to 255.
 __global__ void __launch_bounds__(qw::DecodeLayout<KV8, HEAD_DIM>::kWarps * 32,
@@ -223,7 +225,7 @@ paged_decode_tc(void* __restrict__ out,            // [seqs, q_heads, D], rows o
     lscale *= kv_scales[0] * 256.f;  // e4m3 -> f16 by moving bits leaves a factor 2^-8
     vscale = kv_scales[1] * 256.f;
   }
-  const float inv_cap = softcap_log2 > 0.f ? 1.f / softcap_log2 : 0.f;
+  const float inv_cap = CAP != 0 ? 1.f / softcap_log2 : 0.f;
 
   const char* kc = static_cast<const char*>(key_cache);
   const char* vc = static_cast<const char*>(value_cache);
@@ -390,7 +392,7 @@ paged_decode_tc(void* __restrict__ out,            // [seqs, q_heads, D], rows o
         for (int e = 0; e < 2; ++e) {
           const int pos = pos0 + tt * 8 + 2 * t + e;
           float v = sacc[tt][2 * n + e] * lscale;
-          if (softcap_log2 > 0.f) v = softcap_log2 * tanhf(v * inv_cap);
+          if constexpr (CAP != 0) v = softcap_log2 * tanhf(v * inv_cap);
           if (pos < p_lo || pos >= p_hi) v = QW_NEG_INF;
           p[tt][2 * n + e] = v;
           mx = fmaxf(mx, v);

@@ -3,10 +3,11 @@
 // paged cache.
 //
 // Kernel
-//   paged_prefill_tc<DT, KV8, HEAD_DIM>
+//   paged_prefill_tc<DT, KV8, HEAD_DIM, CAP>
 //   DT: 1 = float16, 2 = bfloat16 (query, output; cache too unless KV8). KV8: the cache is FP8
 //   E4M3 with per-layer scales kv_scales = {k_scale, v_scale} (qworker/attention/fp8.py); the
-//   tensor cores then run in f16. HEAD_DIM: a multiple of 16 up to 256.
+//   tensor cores then run in f16. HEAD_DIM: a multiple of 16 up to 256. CAP: 1 = a soft-capped
+//   layer (Gemma 2, see Work); 0 (the default) compiles without it and ignores softcap_log2.
 //
 // KV layout (qworker/attention/backend.py), one layer:
 //   key_cache, value_cache : [num_blocks, num_kv_heads, block_size, HEAD_DIM], HEAD_DIM contiguous.
@@ -25,7 +26,7 @@
 //   tokens go through a two-stage cp.async ring shared by the four warps (rows padded so
 //   ldmatrix is bank-conflict free, zero-filled outside [lo, hi)). Per KV tile and warp, on
 //   tensor cores (mma.m16n8k16, fp32 accumulate): S = Q K^T (16 rows x 32 keys: A = Q via
-//   ldmatrix, B = K via ldmatrix), soft-cap when softcap_log2 > 0 (log2-domain logit l ->
+//   ldmatrix, B = K via ldmatrix), soft-cap when CAP (log2-domain logit l ->
 //   softcap_log2 * tanh(l / softcap_log2), softcap_log2 = cap * log2(e): cap * tanh(s / cap) on
 //   the scaled score, Gemma 2), mask, fp32 online softmax per row (log2 domain), then
 //   O += P V with P taken from the S accumulators as the A fragment and V via
@@ -74,7 +75,7 @@ __device__ __forceinline__ float quad_sum_p(float v) {
 
 }  // namespace qw
 
-template <int DT, int KV8, int HEAD_DIM>
+template <int DT, int KV8, int HEAD_DIM, int CAP = 0>
 // Register cap: 170 per thread (3 CTAs per SM) up to head 96, 255 (2 CTAs) beyond; heads
 // past 160 spill and are not offered (qworker/attention/cuda_kernels.py PREFILL_TC_MAX_HEAD).
 __global__ void __launch_bounds__(128, HEAD_DIM <= 96 ? 3 : 2) paged_prefill_tc(
@@ -148,7 +149,7 @@ __global__ void __launch_bounds__(128, HEAD_DIM <= 96 ? 3 : 2) paged_prefill_tc(
     lscale *= kv_scales[0] * 256.f;
     vscale = kv_scales[1] * 256.f;
   }
-  const float inv_cap = softcap_log2 > 0.f ? 1.f / softcap_log2 : 0.f;
+  const float inv_cap = CAP != 0 ? 1.f / softcap_log2 : 0.f;
 
   // This lane's two rows (g and g + 8 of the warp): their last visible key.
   const int ra = row0 + warp * 16 + g;
@@ -277,7 +278,7 @@ __global__ void __launch_bounds__(128, HEAD_DIM <= 96 ? 3 : 2) paged_prefill_tc(
         for (int e = 0; e < 2; ++e) {
           const int kp = pos0 + nt * 8 + 2 * t + e;
           float v = sacc[nt][2 * rr + e] * lscale;
-          if (softcap_log2 > 0.f) v = softcap_log2 * tanhf(v * inv_cap);
+          if constexpr (CAP != 0) v = softcap_log2 * tanhf(v * inv_cap);
           if (kp > qp || kp < kv_lo || (sliding_window > 0 && kp <= qp - sliding_window)) v = QW_NEG_INF;
           sacc[nt][2 * rr + e] = v;
           mx = fmaxf(mx, v);

@@ -395,7 +395,7 @@ class CudaAttentionBackend(AttentionBackend):
                            self.partition_size, sliding_window)  # fmt: skip
         self.last_decode = plan
         window = sliding_window or 0
-        name = decode_name(key_cache.dtype, dim, group)
+        name = decode_name(key_cache.dtype, dim, group, capped=soft_cap is not None)
         kernel = self._kernels.get(PAGED_ATTENTION, name, device)
         part_out = part_max = part_sum = None
         if plan.split:

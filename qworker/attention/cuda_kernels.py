@@ -85,9 +85,17 @@ def head_tile(group: int) -> int:
     return HEAD_TILES[-1]
 
 
-def decode_name(dtype: torch.dtype, head_dim: int, group: int) -> str:
-    """Name expression of the decode kernel for this dtype / head size / GQA group."""
-    return f"paged_attention_decode<{DTYPE_CODE[dtype]}, {head_dim}, {head_tile(group)}>"
+def with_cap(name: str, capped: bool) -> str:
+    """The soft-capped instantiation of an attention kernel's name expression when
+    ``capped`` (the templates' trailing ``CAP = 1``), else ``name`` (``CAP`` defaults to 0)."""
+    return f"{name[:-1]}, 1>" if capped else name
+
+
+def decode_name(dtype: torch.dtype, head_dim: int, group: int, capped: bool = False) -> str:
+    """Name expression of the decode kernel for this dtype / head size / GQA group
+    (``capped``: a soft-capped layer's)."""
+    return with_cap(f"paged_attention_decode<{DTYPE_CODE[dtype]}, {head_dim}, {head_tile(group)}>",
+                    capped)
 
 
 def reduce_name(dtype: torch.dtype) -> str:
@@ -172,15 +180,17 @@ def decode_tc_nt(group: int, head_dim: int) -> int:
     return 2 if group > 8 and head_dim <= 128 else 1
 
 
-def decode_tc_name(dtype: torch.dtype, kv8: bool, head_dim: int, group: int) -> str:
-    """Name expression of the tensor-core decode kernel."""
+def decode_tc_name(dtype: torch.dtype, kv8: bool, head_dim: int, group: int,
+                   capped: bool = False) -> str:
+    """Name expression of the tensor-core decode kernel (``capped``: soft-capped layer)."""
     nt = decode_tc_nt(group, head_dim)
-    return f"paged_decode_tc<{TC_DTYPE_CODE[dtype]}, {int(kv8)}, {head_dim}, {nt}>"
+    return with_cap(f"paged_decode_tc<{TC_DTYPE_CODE[dtype]}, {int(kv8)}, {head_dim}, {nt}>",
+                    capped)
 
 
-def prefill_tc_name(dtype: torch.dtype, kv8: bool, head_dim: int) -> str:
-    """Name expression of the tensor-core prefill kernel."""
-    return f"paged_prefill_tc<{TC_DTYPE_CODE[dtype]}, {int(kv8)}, {head_dim}>"
+def prefill_tc_name(dtype: torch.dtype, kv8: bool, head_dim: int, capped: bool = False) -> str:
+    """Name expression of the tensor-core prefill kernel (``capped``: soft-capped layer)."""
+    return with_cap(f"paged_prefill_tc<{TC_DTYPE_CODE[dtype]}, {int(kv8)}, {head_dim}>", capped)
 
 
 def reshape_and_cache_fp8_name(dtype: torch.dtype) -> str:
@@ -222,7 +232,9 @@ class DecodeTcPlan:
 
     ``num_splits`` is grid z; ``partition_size`` tokens per split (0 = one split); the
     kernel derives each sequence's own split count from its ``seq_lens`` entry, so a plan
-    made for an upper bound (``fixed``) stays valid while sequences grow.
+    made for an upper bound (``fixed``) stays valid while sequences grow. ``name`` is the
+    kernel of layers without a soft-cap; ``kernel_name(True)`` that of soft-capped ones
+    (one plan serves both: the grid does not depend on the cap).
     """
 
     name: str
@@ -238,6 +250,11 @@ class DecodeTcPlan:
     def split(self) -> bool:
         """Whether partitions are merged in-launch."""
         return self.num_splits > 1
+
+    def kernel_name(self, capped: bool) -> str:
+        """The kernel this plan launches for a layer with (``capped``) or without a
+        soft-cap."""
+        return with_cap(self.name, capped)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -352,11 +369,11 @@ def all_instantiations() -> dict[str, list[str]]:
         for d in TC_HEAD_SIZES
         if d <= PREFILL_TC_MAX_HEAD
     ]
-    return {
-        PAGED_ATTENTION: decode + reduce,
+    return {  # every attention kernel also as its soft-capped instantiation (Gemma 2)
+        PAGED_ATTENTION: decode + [with_cap(n, True) for n in decode] + reduce,
         CACHE_OPS: cache,
-        DECODE_TC: tc_decode,
-        PREFILL_TC: tc_prefill,
+        DECODE_TC: tc_decode + [with_cap(n, True) for n in tc_decode],
+        PREFILL_TC: tc_prefill + [with_cap(n, True) for n in tc_prefill],
     }
 
 

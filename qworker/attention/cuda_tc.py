@@ -211,7 +211,8 @@ class TcLauncher:
                 floats = num_seqs * q_heads * plan.num_splits * dim
                 ws = self._dynamic_workspace(device, floats, num_seqs * kv_heads * plan.head_tiles)
         assert plan.num_splits <= TC_MAX_SPLITS
-        kernel = self._kernels.get(DECODE_TC, plan.name, device)
+        kernel = self._kernels.get(DECODE_TC, plan.kernel_name(meta.logits_soft_cap is not None),
+                                   device)
         grid = (num_seqs, kv_heads * plan.head_tiles, plan.num_splits)
         head = (ptr(ws.work_o if ws else None), ptr(ws.work_ml if ws else None),
                 ptr(ws.counters if ws else None))  # fmt: skip
@@ -276,7 +277,8 @@ class TcLauncher:
             return
         kv8 = kv_scales is not None
         layout = prefill_tc_layout(kv8, dim)
-        kernel = self._kernels.get(PREFILL_TC, prefill_tc_name(query.dtype, kv8, dim), device)
+        name = prefill_tc_name(query.dtype, kv8, dim, capped=meta.logits_soft_cap is not None)
+        kernel = self._kernels.get(PREFILL_TC, name, device)
         seq_lens = meta.seq_lens if meta.seq_lens.dtype == torch.int32 else meta.seq_lens.int()
         qsl = meta.query_start_loc
         if qsl.dtype != torch.int32:

@@ -40,11 +40,13 @@ def make_batch(
     seed: int = 0,
     spare_blocks: int = 3,
     pad_tokens: int = 0,
+    logits_soft_cap: float | None = None,
 ) -> Batch:
     """A batch of sequences (decodes, query length 1, must come first) whose contexts are
     already in the cache, scattered over a randomly permuted pool.
 
-    ``pad_tokens`` padding rows (slot -1) follow the real tokens.
+    ``pad_tokens`` padding rows (slot -1) follow the real tokens; ``logits_soft_cap`` goes
+    into the metadata as a soft-capped layer's would.
     """
     assert len(q_lens) == len(seq_lens)
     gen = torch.Generator().manual_seed(seed)
@@ -97,6 +99,7 @@ def make_batch(
         max_query_len=max(q_lens),
         max_seq_len=max(seq_lens),
         sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
     )
     return Batch(
         query=query.to(device=device, dtype=dtype),

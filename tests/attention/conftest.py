@@ -8,17 +8,21 @@ import pytest
 
 # Legacy CUDA-core decode kernels: (dtype code, head dim, head tile).
 EMU_LEGACY = [(0, 32, 8), (2, 64, 4), (1, 80, 2), (2, 128, 8), (0, 96, 1), (1, 32, 8)]
+# ... and their soft-capped instantiations (a trailing 1) the soft-cap tests launch.
+EMU_LEGACY += [(0, 32, 8, 1), (2, 64, 4, 1), (1, 80, 2, 1)]
 
 # Tensor-core decode: (dtype code, kv8, head dim, NT).
 EMU_TC_DECODE = [
     (2, 0, 64, 1), (1, 0, 80, 1), (2, 0, 128, 1), (2, 0, 32, 2), (1, 0, 96, 2), (2, 0, 256, 1),
     (2, 0, 64, 2), (1, 0, 32, 1), (2, 1, 64, 1), (1, 1, 80, 1), (2, 1, 112, 1), (2, 1, 256, 1),
     (1, 1, 32, 2),
+    (2, 0, 64, 1, 1), (1, 0, 80, 1, 1), (2, 0, 256, 1, 1), (2, 1, 64, 1, 1),
 ]  # fmt: skip
 
 # Tensor-core prefill: (dtype code, kv8, head dim).
 EMU_TC_PREFILL = [
     (2, 0, 64), (1, 0, 80), (2, 0, 128), (1, 0, 32), (2, 1, 64), (1, 1, 80), (2, 1, 112),
+    (2, 0, 64, 1), (1, 0, 80, 1), (2, 1, 64, 1),
 ]  # fmt: skip
 
 

@@ -105,3 +105,47 @@ def test_c_decode_reads_no_slot_past_a_sequence_and_matches_on_threads() -> None
     assert torch.isfinite(alone).all()
     assert rel_err(alone, ref) < TOLERANCE[torch.float32]
     assert torch.equal(alone, shared)
+
+
+CAPPED_CASES = [
+    # q_lens, seq_lens (decodes first), q_heads, kv_heads, head_dim, block_size, window, cap
+    pytest.param([1, 1, 1], [1, 9, 40], 4, 2, 16, 8, None, 1.5, id="decodes-cap"),
+    pytest.param([1, 1, 7, 20], [33, 64, 30, 20], 8, 2, 32, 16, 9, 2.0, id="mixed-window-cap"),
+    pytest.param([1, 12], [70, 12], 6, 1, 64, 8, 3, 0.5, id="window-3-tiny-cap"),
+]
+
+
+@pytest.mark.parametrize(("q_lens", "seq_lens", "q_heads", "kv_heads", "dim", "block", "window",
+                          "cap"), CAPPED_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernels", [True, False], ids=["c-decode", "torch-decode"])
+def test_soft_capped_layers_match_the_reference(q_lens: list[int], seq_lens: list[int],
+                                                q_heads: int, kv_heads: int, dim: int,
+                                                block: int, window: int | None, cap: float,
+                                                dtype: torch.dtype, kernels: bool) -> None:
+    batch = make_batch(q_lens, seq_lens, q_heads, kv_heads, dim, block, dtype,
+                       sliding_window=window, logits_soft_cap=cap, seed=dim + len(q_lens))
+    scale = 0.5  # not head_dim ** -0.5; scores of several units, so the cap bites
+    args = (batch.query, batch.key_cache, batch.value_cache)
+    ref = REF.forward(*args, batch.meta, scale)
+    out = CpuAttentionBackend(kernels).forward(*args, batch.meta, scale)
+    assert rel_err(out, ref) < TOLERANCE[dtype]
+    uncapped = REF.forward(*args, dataclasses.replace(batch.meta, logits_soft_cap=None), scale)
+    assert rel_err(uncapped, ref) > 10 * TOLERANCE[dtype]  # the cap changed the answer
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["c-decode", "torch-decode"])
+def test_per_layer_window_and_cap_plans_of_one_step_do_not_mix(kernels: bool) -> None:
+    # Gemma-style: one step's metadata as windowed + capped, global + capped and plain
+    # layers see it, alternating; each must get its own answer every time.
+    batch = make_batch([1, 1, 12], [40, 9, 12], 4, 2, 16, 8, torch.float32, seed=14)
+    variants = [dataclasses.replace(batch.meta, sliding_window=w, logits_soft_cap=c)
+                for w, c in ((4, 1.0), (None, 1.0), (None, None), (4, None))]
+    backend = CpuAttentionBackend(kernels)
+    args = (batch.query, batch.key_cache, batch.value_cache)
+    outs = []
+    for _ in range(2):
+        outs = [backend.forward(*args, meta, 0.7) for meta in variants]
+        for meta, out in zip(variants, outs, strict=True):
+            assert rel_err(out, REF.forward(*args, meta, 0.7)) < 1e-5
+    assert min(rel_err(a, b) for i, a in enumerate(outs) for b in outs[i + 1:]) > 1e-3

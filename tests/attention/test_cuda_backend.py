@@ -10,6 +10,7 @@ filled blocks, contexts up to 32k, the FP8 cache and CUDA-graph capture.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -18,7 +19,7 @@ import torch
 
 from qworker.attention.backend import KVCache
 from qworker.attention.cuda_backend import CudaAttentionBackend
-from qworker.attention.cuda_kernels import DTYPE_CODE, head_tile
+from qworker.attention.cuda_kernels import DTYPE_CODE, decode_name, head_tile
 from qworker.attention.torch_ref import TorchAttentionBackend
 from tests.attention.cases import TOLERANCE, Batch, make_batch, rel_err
 from tests.attention.conftest import EMU_LEGACY
@@ -109,6 +110,47 @@ def test_emulated_mixed_batch_matches_reference(emu_lib, prefill: str, decode: s
     out = backend.forward(batch.query, batch.key_cache, batch.value_cache, batch.meta, 0.125)
     ref = _ref_out(batch, 0.125)
     assert rel_err(out, ref, _real_rows(batch)) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "dim", "q_heads", "kv_heads", "split", "window", "lens"),
+    [
+        (torch.float32, 32, 8, 1, True, 30, [1, 5, 130]),  # MQA, window across partitions
+        (torch.bfloat16, 64, 8, 2, False, None, [33, 200]),
+        (torch.float16, 80, 4, 2, None, 9, [100, 40]),
+    ],
+)
+def test_emulated_legacy_decode_soft_cap_matches_reference(  # type: ignore[no-untyped-def]
+    emu_lib, dtype, dim, q_heads, kv_heads, split, window, lens
+) -> None:
+    assert (DTYPE_CODE[dtype], dim, head_tile(q_heads // kv_heads), 1) in EMU_LEGACY
+    batch = make_batch([1] * len(lens), lens, q_heads, kv_heads, dim, 16, dtype,
+                       sliding_window=window, logits_soft_cap=1.5, seed=dim)
+    backend = _emu_backend(emu_lib, split_k=split, partition_size=64 if split else None)
+    args = (batch.query, batch.key_cache, batch.value_cache)
+    out = backend.forward(*args, batch.meta, 0.4)
+    launched = backend._kernels.launches  # type: ignore[attr-defined]
+    assert launched[0] == decode_name(dtype, dim, q_heads // kv_heads, capped=True)
+    ref = REF.forward(*args, batch.meta, 0.4)
+    assert rel_err(out, ref) < TOLERANCE[dtype]
+    uncapped = dataclasses.replace(batch.meta, logits_soft_cap=None)
+    assert rel_err(REF.forward(*args, uncapped, 0.4), ref) > 0.05
+
+
+@pytest.mark.parametrize("decode", ["legacy", "auto"])
+@pytest.mark.parametrize("prefill", ["sdpa", "paged"])
+def test_emulated_mixed_batch_with_window_and_soft_cap_matches_reference(  # type: ignore[no-untyped-def]
+    emu_lib, prefill: str, decode: str
+) -> None:
+    # "legacy": the CUDA-core kernel for decodes (and for each prefill token, "paged");
+    # "auto": the tensor-core kernels; "sdpa": the explicit soft-capped form
+    dtype = torch.bfloat16
+    batch = make_batch([1, 1, 4, 6], [20, 45, 37, 6], 8, 2, 64, 16, dtype, pad_tokens=3,
+                       sliding_window=7, logits_soft_cap=2.0, seed=6)
+    backend = _emu_backend(emu_lib, prefill=prefill, decode=decode)
+    out = backend.forward(batch.query, batch.key_cache, batch.value_cache, batch.meta, 0.4)
+    ref = _ref_out(batch, 0.4)
+    assert rel_err(out, ref, _real_rows(batch)) < TOLERANCE[dtype]
 
 
 def test_emulated_write_kv_matches_reference_and_skips_padding(emu_lib) -> None:  # type: ignore[no-untyped-def]

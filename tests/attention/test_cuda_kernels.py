@@ -15,6 +15,7 @@ def test_every_requestable_decode_name_is_in_the_compiled_set() -> None:
         for d in ck.HEAD_SIZES:
             for group in (1, 2, 3, 4, 5, 7, 8, 16, 32):
                 assert ck.decode_name(dtype, d, group) in names
+                assert ck.decode_name(dtype, d, group, capped=True) in names
 
 
 def test_head_tile_is_next_power_of_two_capped_at_eight() -> None:
@@ -121,3 +122,20 @@ def test_tc_layouts_fit_two_ctas_per_sm() -> None:
             assert ck.ctas_per_sm(lay.warps * 32, lay.smem_bytes) >= 2
             if d <= ck.PREFILL_TC_MAX_HEAD:
                 assert ck.ctas_per_sm(128, ck.prefill_tc_layout(kv8, d).smem_bytes, 255) >= 2
+
+
+def test_soft_capped_layers_get_their_own_instantiation_of_every_kernel() -> None:
+    every = ck.all_instantiations()
+    plan = ck.plan_decode_tc(torch.bfloat16, False, 128, 4, 8, 4, 2000, 132)
+    assert plan.kernel_name(False) == plan.name == "paged_decode_tc<2, 0, 128, 1>"
+    assert plan.kernel_name(True) == "paged_decode_tc<2, 0, 128, 1, 1>"
+    for capped in (False, True):
+        for d in ck.TC_HEAD_SIZES:
+            for kv8 in (False, True):
+                for group in (1, 4, 12):
+                    name = ck.decode_tc_name(torch.float16, kv8, d, group, capped)
+                    assert name in every[ck.DECODE_TC]
+                if d <= ck.PREFILL_TC_MAX_HEAD:
+                    prefill = ck.prefill_tc_name(torch.bfloat16, kv8, d, capped)
+                    assert prefill in every[ck.PREFILL_TC]
+    assert ck.prefill_tc_name(torch.bfloat16, True, 64, True) == "paged_prefill_tc<2, 1, 64, 1>"

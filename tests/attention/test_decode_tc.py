@@ -10,6 +10,8 @@ is poison too (the emulator), so a missing wait fails here.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -80,6 +82,58 @@ def test_emulated_tc_decode_matches_reference(  # type: ignore[no-untyped-def]
     ref = REF.forward(batch.query, batch.key_cache, batch.value_cache, batch.meta, scale,
                       kv_scales=scales)  # fmt: skip
     assert rel_err(out, ref) < TOLERANCE[dtype]
+
+
+CAPPED_DECODE_CASES = [
+    # dtype, kv8, head_dim, q_heads, kv_heads, block_size, split, window, cap, seq_lens
+    (torch.bfloat16, False, 64, 8, 2, 16, True, 100, 1.5, [1, 250, 33]),  # window over splits
+    (torch.float16, False, 80, 14, 2, 8, False, None, 0.75, [9, 70]),  # group 7, tiny cap
+    (torch.bfloat16, False, 256, 4, 2, 16, True, None, 3.0, [90, 31]),  # 2-warp CTAs
+    (torch.bfloat16, True, 64, 8, 2, 16, True, 90, 2.0, [70, 229]),  # FP8 cache
+]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "kv8", "dim", "q_heads", "kv_heads", "block_size", "split", "window", "cap",
+     "lens"),
+    CAPPED_DECODE_CASES,
+)
+def test_emulated_tc_decode_soft_cap_matches_reference(  # type: ignore[no-untyped-def]
+    emu_kernels, dtype, kv8, dim, q_heads, kv_heads, block_size, split, window, cap, lens
+) -> None:
+    group = q_heads // kv_heads
+    assert (DTYPE_CODE[dtype], int(kv8), dim, decode_tc_nt(group, dim), 1) in EMU_TC_DECODE
+    batch = make_batch([1] * len(lens), lens, q_heads, kv_heads, dim, block_size, dtype,
+                       sliding_window=window, logits_soft_cap=cap, seed=dim + 7)  # fmt: skip
+    scales = None
+    if kv8:
+        batch, scales = fp8_batch(batch)
+    kernels = emu_kernels()
+    backend = CudaAttentionBackend(kernels=kernels, num_sms=4, split_k=split,
+                                   partition_size=64 if split else None)
+    scale = 0.4  # not head_dim ** -0.5: scores of several units, so the cap bites
+    args = (batch.query, batch.key_cache, batch.value_cache)
+    out = backend.forward(*args, batch.meta, scale, kv_scales=scales)
+    assert backend.last_decode is not None and backend.last_decode.split == split
+    assert kernels.launches == [backend.last_decode.kernel_name(True)]
+    ref = REF.forward(*args, batch.meta, scale, kv_scales=scales)
+    assert rel_err(out, ref) < TOLERANCE[dtype]
+    uncapped = dataclasses.replace(batch.meta, logits_soft_cap=None)
+    assert rel_err(REF.forward(*args, uncapped, scale, kv_scales=scales), ref) > 0.05
+
+
+def test_emulated_layers_of_one_step_keep_their_own_window_and_cap(emu_kernels) -> None:  # type: ignore[no-untyped-def]
+    # Gemma 2: windowed + capped and global + capped layers alternate within one step; the
+    # per-step launch cache must hand each its own arguments, every time.
+    batch = make_batch([1, 1, 1], [300, 65, 20], 8, 2, 64, 16, torch.bfloat16, seed=4)
+    variants = [dataclasses.replace(batch.meta, sliding_window=w, logits_soft_cap=c)
+                for w, c in ((32, 1.0), (None, 1.0), (None, None))]
+    backend = _backend(emu_kernels, split_k=True, partition_size=64)
+    args = (batch.query, batch.key_cache, batch.value_cache)
+    for _ in range(2):
+        for meta in variants:
+            out = backend.forward(*args, meta, 0.3)
+            assert rel_err(out, REF.forward(*args, meta, 0.3)) < TOLERANCE[torch.bfloat16]
 
 
 def test_emulated_split_merge_leaves_counters_at_zero_and_repeats(emu_kernels) -> None:  # type: ignore[no-untyped-def]

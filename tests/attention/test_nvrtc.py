@@ -35,13 +35,16 @@ TC_NVCC_SAMPLE = {
         "paged_decode_tc<2, 0, 96, 2>",
         "paged_decode_tc<2, 0, 256, 1>",
         "paged_decode_tc<1, 1, 256, 1>",
+        "paged_decode_tc<2, 0, 96, 2, 1>",  # soft-capped (Gemma 2)
+        "paged_decode_tc<2, 0, 256, 1, 1>",
     ],
-    ck.PREFILL_TC: ["paged_prefill_tc<2, 0, 128>", "paged_prefill_tc<2, 0, 160>"],
+    ck.PREFILL_TC: ["paged_prefill_tc<2, 0, 128>", "paged_prefill_tc<2, 0, 160>",
+                    "paged_prefill_tc<2, 0, 160, 1>", "paged_prefill_tc<2, 1, 160, 1>"],
 }
 
 NVRTC_TC_SAMPLE = {
     ck.DECODE_TC: ["paged_decode_tc<2, 0, 128, 1>", "paged_decode_tc<1, 1, 80, 2>"],
-    ck.PREFILL_TC: ["paged_prefill_tc<2, 1, 64>"],
+    ck.PREFILL_TC: ["paged_prefill_tc<2, 1, 64>", "paged_prefill_tc<2, 0, 128, 1>"],
 }
 
 NVRTC_DECODE_SAMPLE = [
@@ -50,6 +53,7 @@ NVRTC_DECODE_SAMPLE = [
     "paged_attention_decode<1, 80, 8>",
     "paged_attention_decode<0, 256, 8>",
     "paged_attention_decode<1, 96, 2>",
+    "paged_attention_decode<0, 256, 8, 1>",
     "paged_attention_reduce<0>",
     "paged_attention_reduce<1>",
     "paged_attention_reduce<2>",
@@ -127,6 +131,8 @@ def _nvcc_names(source: str, names: list[str]) -> list[str]:
         keep.add(ck.reduce_name(dtype))
         for d in ck.HEAD_SIZES:
             keep.add(ck.decode_name(dtype, d, max(ck.HEAD_TILES)))
+        for d in (128, 256):  # soft-capped: the heaviest tiles
+            keep.add(ck.decode_name(dtype, d, max(ck.HEAD_TILES), capped=True))
         for gt in ck.HEAD_TILES:
             keep.add(ck.decode_name(dtype, 128, gt))
     return [n for n in names if n in keep]

@@ -7,6 +7,8 @@ head sizes 32..256, the FP8 cache, and decodes in the same step.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -54,6 +56,44 @@ def test_emulated_tc_prefill_matches_reference(  # type: ignore[no-untyped-def]
                       kv_scales=scales)  # fmt: skip
     real = slice(0, batch.meta.num_tokens - 2)
     assert rel_err(out, ref, real) < TOLERANCE[dtype]
+
+
+CAPPED_PREFILL_CASES = [
+    # dtype, kv8, head_dim, q_heads, kv_heads, block_size, window, cap, q_lens, seq_lens
+    (torch.bfloat16, False, 64, 8, 2, 16, 13, 1.5, [5, 17, 40, 1], [40, 17, 90, 70]),
+    (torch.float16, False, 80, 7, 7, 8, None, 0.75, [30, 3], [30, 50]),
+    (torch.bfloat16, True, 64, 16, 2, 16, 9, 2.0, [20, 4], [60, 4]),  # FP8
+    (torch.bfloat16, False, 256, 2, 1, 16, 5, 1.0, [19, 6], [25, 6]),  # head 256: via SDPA
+]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "kv8", "dim", "q_heads", "kv_heads", "block_size", "window", "cap", "q_lens",
+     "lens"),
+    CAPPED_PREFILL_CASES,
+)
+def test_emulated_tc_prefill_soft_cap_matches_reference(  # type: ignore[no-untyped-def]
+    emu_kernels, dtype, kv8, dim, q_heads, kv_heads, block_size, window, cap, q_lens, lens
+) -> None:
+    assert dim > PREFILL_TC_MAX_HEAD or (DTYPE_CODE[dtype], int(kv8), dim, 1) in EMU_TC_PREFILL
+    batch = make_batch(q_lens, lens, q_heads, kv_heads, dim, block_size, dtype,
+                       sliding_window=window, logits_soft_cap=cap, seed=dim + 3,
+                       pad_tokens=2)  # fmt: skip
+    scales = None
+    if kv8:
+        batch, scales = fp8_batch(batch)
+    kernels = emu_kernels()
+    backend = CudaAttentionBackend(kernels=kernels, num_sms=4, prefill="paged")
+    scale = 0.4  # not head_dim ** -0.5: scores of several units, so the cap bites
+    args = (batch.query, batch.key_cache, batch.value_cache)
+    out = backend.forward(*args, batch.meta, scale, kv_scales=scales)
+    assert backend.last_prefill == ("paged" if dim <= PREFILL_TC_MAX_HEAD else "sdpa")
+    assert all(name.endswith(", 1>") for name in kernels.launches)  # capped instantiations
+    ref = REF.forward(*args, batch.meta, scale, kv_scales=scales)
+    real = slice(0, batch.meta.num_tokens - 2)
+    assert rel_err(out, ref, real) < TOLERANCE[dtype]
+    uncapped = dataclasses.replace(batch.meta, logits_soft_cap=None)
+    assert rel_err(REF.forward(*args, uncapped, scale, kv_scales=scales), ref, real) > 0.05
 
 
 def test_emulated_step_with_decodes_and_prefills_in_one_forward(emu_kernels) -> None:  # type: ignore[no-untyped-def]

@@ -10,7 +10,7 @@ from qworker.attention.torch_ref import TorchAttentionBackend
 from tests.attention.cases import TOLERANCE, make_batch, rel_err
 
 
-def _run(batch, first_seq: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def _run(batch, first_seq: int, scale: float | None = None) -> torch.Tensor:  # type: ignore[no-untyped-def]
     meta = batch.meta
     out = torch.full_like(batch.query, float("nan"))
     sdpa_prefill(
@@ -21,9 +21,10 @@ def _run(batch, first_seq: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
         meta.query_start_loc.tolist(),
         meta.seq_lens.tolist(),
         first_seq,
-        batch.query.shape[-1] ** -0.5,
+        batch.query.shape[-1] ** -0.5 if scale is None else scale,
         out,
         meta.sliding_window,
+        soft_cap=meta.logits_soft_cap,
     )
     return out
 
@@ -83,3 +84,24 @@ def test_gather_context_follows_the_block_table() -> None:
     assert got.shape == (2, 6, 3)
     assert torch.equal(got[:, :4], cache[3])
     assert torch.equal(got[:, 4:6], cache[1, :, :2])
+
+
+@pytest.mark.parametrize("rows_per_chunk", [None, 3], ids=["one-chunk", "3-row-chunks"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 11])
+def test_soft_capped_prefill_takes_the_explicit_path_and_matches_reference(
+    dtype: torch.dtype, window: int | None, rows_per_chunk: int | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import qworker.attention.sdpa_prefill as sdpa
+
+    batch = make_batch([1, 9, 30, 1], [40, 50, 30, 66], 8, 2, 32, 16, dtype,
+                       sliding_window=window, logits_soft_cap=1.25, seed=31)
+    if rows_per_chunk is not None:  # force the query rows through several score chunks
+        monkeypatch.setattr(sdpa, "CAPPED_SCORE_ELEMS", rows_per_chunk * 8 * 66)
+    ref = TorchAttentionBackend().forward(
+        batch.query, batch.key_cache, batch.value_cache, batch.meta, 0.5
+    )
+    out = _run(batch, 1, scale=0.5)
+    assert torch.isnan(out[:1]).all()
+    assert rel_err(out, ref, slice(1, None)) < TOLERANCE[dtype]

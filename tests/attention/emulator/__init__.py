@@ -31,19 +31,29 @@ def compiler() -> str | None:
 
 
 def build(
-    decode_instances: list[tuple[int, int, int]] = (),  # type: ignore[assignment]
-    tc_decode: list[tuple[int, int, int, int]] = (),  # type: ignore[assignment]
-    tc_prefill: list[tuple[int, int, int]] = (),  # type: ignore[assignment]
+    decode_instances: list[tuple[int, ...]] = (),  # type: ignore[assignment]
+    tc_decode: list[tuple[int, ...]] = (),  # type: ignore[assignment]
+    tc_prefill: list[tuple[int, ...]] = (),  # type: ignore[assignment]
     defines: list[str] = (),  # type: ignore[assignment]
 ) -> ctypes.CDLL:
     """Compile the emulator with these kernels (cached by content hash in the temp dir) and
     load it: legacy decode ``(dtype code, head dim, head tile)``, tensor-core decode
     ``(dtype code, kv8, head dim, NT)`` and tensor-core prefill ``(dtype code, kv8, head
-    dim)``. The cache ops and the self-test kernels are always in. ``defines`` are extra
-    ``-D`` macros (tests build deliberately broken variants with them)."""
-    inc = "".join(f"QW_DECODE({dt}, {d}, {gt})\n" for dt, d, gt in decode_instances)
-    inc += "".join(f"QW_DECODE_TC({dt}, {k}, {d}, {nt})\n" for dt, k, d, nt in tc_decode)
-    inc += "".join(f"QW_PREFILL_TC({dt}, {k}, {d})\n" for dt, k, d in tc_prefill)
+    dim)``, each with an optional trailing 1 for its soft-capped instantiation (``CAP``).
+    The cache ops and the self-test kernels are always in. ``defines`` are extra ``-D``
+    macros (tests build deliberately broken variants with them)."""
+
+    def lines(macro: str, instances: list[tuple[int, ...]], arity: int) -> str:
+        out = ""
+        for inst in instances:
+            capped = len(inst) > arity and inst[arity]
+            args = ", ".join(str(v) for v in inst[:arity])
+            out += f"{macro}{'_CAP' if capped else ''}({args})\n"
+        return out
+
+    inc = lines("QW_DECODE", decode_instances, 3)
+    inc += lines("QW_DECODE_TC", tc_decode, 4)
+    inc += lines("QW_PREFILL_TC", tc_prefill, 3)
     digest = hashlib.sha256((inc + "|".join(defines)).encode())
     for path in (
         HERE / "cuda_emu.h",

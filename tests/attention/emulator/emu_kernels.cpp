@@ -58,6 +58,13 @@ int run(void (*k)(P...), dim3 grid, dim3 block, size_t smem, int nargs, void** a
   if (name == "paged_decode_tc<" #DT ", " #KV8 ", " #D ", " #NT ">") return run(&paged_decode_tc<DT, KV8, D, NT>, g, b, smem, nargs, args, sizes);
 #define QW_PREFILL_TC(DT, KV8, D) \
   if (name == "paged_prefill_tc<" #DT ", " #KV8 ", " #D ">") return run(&paged_prefill_tc<DT, KV8, D>, g, b, smem, nargs, args, sizes);
+// Soft-capped instantiations (the templates' trailing CAP = 1).
+#define QW_DECODE_CAP(DT, D, GT) \
+  if (name == "paged_attention_decode<" #DT ", " #D ", " #GT ", 1>") return run(&paged_attention_decode<DT, D, GT, 1>, g, b, smem, nargs, args, sizes);
+#define QW_DECODE_TC_CAP(DT, KV8, D, NT) \
+  if (name == "paged_decode_tc<" #DT ", " #KV8 ", " #D ", " #NT ", 1>") return run(&paged_decode_tc<DT, KV8, D, NT, 1>, g, b, smem, nargs, args, sizes);
+#define QW_PREFILL_TC_CAP(DT, KV8, D) \
+  if (name == "paged_prefill_tc<" #DT ", " #KV8 ", " #D ", 1>") return run(&paged_prefill_tc<DT, KV8, D, 1>, g, b, smem, nargs, args, sizes);
 #define QW_CACHE_FP8(DT) \
   if (name == "reshape_and_cache_fp8<" #DT ">") return run(&reshape_and_cache_fp8<DT>, g, b, smem, nargs, args, sizes);
 #define QW_SELFTEST(NAME, ...) \
