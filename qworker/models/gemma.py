@@ -19,7 +19,9 @@ transformers' ``modeling_gemma2.py`` / ``modeling_gemma3.py`` computes it:
 Gemma 3's transformers code ignores ``attn_logit_softcapping`` (it never passes it to its
 attention), so this code does too (logged). ``Gemma3ForConditionalGeneration``
 checkpoints load their text tower only (``text_config``; vision tensors are skipped):
-text prompts give what transformers' multimodal model gives for them. Bidirectional
+text prompts give what transformers' multimodal model gives for them, and that model
+(transformers 5) does not apply ``final_logit_softcapping`` either (the released Gemma 3
+checkpoints set neither cap). Bidirectional
 configs (``use_bidirectional_attention``, EmbeddingGemma) are refused. See
 docs/models.md.
 """
@@ -254,8 +256,10 @@ class Gemma2ForCausalLM(CausalLM):
         (".gate_proj.", ".gate_up_proj.", "gate"),
         (".up_proj.", ".gate_up_proj.", "up"),
     ]
-    #: Gemma 2 soft-caps attention scores; Gemma 3 has q/k norms and per-type RoPE.
+    #: Gemma 2 soft-caps attention scores; Gemma 3 has q/k norms and per-type RoPE; the
+    #: multimodal Gemma 3 model of transformers does not soft-cap its logits.
     attention_soft_cap: ClassVar[bool] = True
+    final_soft_cap: ClassVar[bool] = True
     qk_norm: ClassVar[bool] = False
     per_type_rope: ClassVar[bool] = False
 
@@ -268,16 +272,8 @@ class Gemma2ForCausalLM(CausalLM):
             raise ModelLoadError(
                 "use_bidirectional_attention=True (an embedding model) is not supported: "
                 "qworker serves causal language models")
-        cap = getattr(config, "attn_logit_softcapping", None)
-        if cap is not None and not self.attention_soft_cap:
-            logger.info("%s: attn_logit_softcapping=%s is ignored, as transformers ignores "
-                        "it for this architecture", type(self).__name__, cap)
-            cap = None
-        self.final_soft_cap: float | None = getattr(config, "final_logit_softcapping", None)
-        for name, value in (("attn_logit_softcapping", cap),
-                            ("final_logit_softcapping", self.final_soft_cap)):
-            if value is not None and not value > 0:
-                raise ModelLoadError(f"{name} must be positive or null, got {value}")
+        cap = self._cap(config, "attn_logit_softcapping", self.attention_soft_cap)
+        self.logits_soft_cap = self._cap(config, "final_logit_softcapping", self.final_soft_cap)
         self.model = GemmaModel(config, cap, self.qk_norm, self.per_type_rope)
         self.tie_word_embeddings = bool(getattr(self.full_config, "tie_word_embeddings", True))
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -298,6 +294,20 @@ class Gemma2ForCausalLM(CausalLM):
             sliding_window=uniform,
         )
 
+    def _cap(self, config: Any, name: str, honoured: bool) -> float | None:
+        """The config's soft-cap ``name`` if this architecture applies it (else logged and
+        None, as transformers ignores it there); a non-positive cap is refused."""
+        value = getattr(config, name, None)
+        if value is None:
+            return None
+        if not isinstance(value, int | float) or not value > 0:
+            raise ModelLoadError(f"{name} must be a positive number or null, got {value!r}")
+        if not honoured:
+            logger.info("%s: %s=%s is ignored, as transformers ignores it for this "
+                        "architecture", type(self).__name__, name, value)
+            return None
+        return float(value)
+
     def tie_weights(self) -> None:
         """Share the embedding matrix with the LM head when the config ties them."""
         if self.tie_word_embeddings:
@@ -316,8 +326,8 @@ class Gemma2ForCausalLM(CausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[n, vocab_size]``, soft-capped (in fp32) when the config says so."""
         logits = linear(hidden, self.lm_head.weight).float()
-        if self.final_soft_cap is not None:
-            logits = soft_cap(logits, self.final_soft_cap)
+        if self.logits_soft_cap is not None:
+            logits = soft_cap(logits, self.logits_soft_cap)
         return logits
 
     def _renamed(self, weights: Iterable[tuple[str, torch.Tensor]]
@@ -355,4 +365,7 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
 
 
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
-    """The text tower of a multimodal Gemma 3 checkpoint (``text_config``); text only."""
+    """The text tower of a multimodal Gemma 3 checkpoint (``text_config``); text only, no
+    final soft-cap (as transformers' multimodal Gemma 3)."""
+
+    final_soft_cap = False

@@ -1,11 +1,10 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3/4) with a paged KV cache.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3; Phi-3/4 in ``phi3``) with a paged KV cache.
 
-One implementation covers the five: they differ only in configuration (attention
-bias, per-head q/k RMSNorm for Qwen3, sliding windows, RoPE scaling, partial rotary),
-which is read from the transformers config object. Parameter names mirror
-transformers' so a checkpoint loads by name, except that q/k/v and gate/up are fused
-into one matmul each (``qkv_proj``, ``gate_up_proj``) for speed; Phi-3 checkpoints
-ship them fused already, under those very names.
+One implementation covers them: they differ only in configuration (attention bias,
+per-head q/k RMSNorm for Qwen3, sliding windows, RoPE scaling, partial rotary), which
+is read from the transformers config object. Parameter names mirror transformers' so a
+checkpoint loads by name, except that q/k/v and gate/up are fused into one matmul
+each (``qkv_proj``, ``gate_up_proj``) for speed.
 """
 
 from __future__ import annotations
@@ -256,10 +255,3 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3: Llama with per-head RMSNorm on queries and keys before RoPE."""
 
-
-class Phi3ForCausalLM(LlamaForCausalLM):
-    """Phi-3 and Phi-4: Llama with checkpoint-fused ``qkv_proj`` / ``gate_up_proj`` (loaded
-    by name into the same fused layers), a sliding window on every layer when the config
-    sets one, ``longrope`` scaling and partial rotary (Phi-4-mini)."""
-
-    partial_rotary = True

@@ -14,7 +14,7 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("qworker.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("qworker.models.llama", "Qwen3ForCausalLM"),
     "OPTForCausalLM": ("qworker.models.opt", "OPTForCausalLM"),
-    "Phi3ForCausalLM": ("qworker.models.llama", "Phi3ForCausalLM"),
+    "Phi3ForCausalLM": ("qworker.models.phi3", "Phi3ForCausalLM"),
     "Gemma2ForCausalLM": ("qworker.models.gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("qworker.models.gemma", "Gemma3ForCausalLM"),
     "Gemma3ForConditionalGeneration": ("qworker.models.gemma", "Gemma3ForConditionalGeneration"),
