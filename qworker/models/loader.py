@@ -126,12 +126,7 @@ def load_model(
         raw = _read_json(local / "config.json", what="config.json")
         architecture = resolve_architecture(raw)
         files = _safetensors_files(local)
-        from transformers import AutoConfig
-
-        try:
-            config = AutoConfig.from_pretrained(str(local), trust_remote_code=False)
-        except Exception as exc:
-            raise ModelLoadError(f"cannot parse {local / 'config.json'}: {exc}") from exc
+        config = _parse_config(local, raw)
         model = _build(architecture, config, dtype, device)
         model.load_weights(_iter_safetensors(files))
         source = local
@@ -155,11 +150,9 @@ def load_model(
 
 def _dummy(local: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
     """The model of ``local/config.json`` with random weights made on ``device``."""
-    from transformers import AutoConfig
-
     raw = _read_json(local / "config.json", what="config.json")
     architecture = resolve_architecture(raw)
-    config = AutoConfig.from_pretrained(str(local), trust_remote_code=False)
+    config = _parse_config(local, raw)
     model = _build(architecture, config, dtype, device)
     gen = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
@@ -173,6 +166,25 @@ def _dummy(local: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel
     logger.info("built %s from %s with random weights (%s, %s)", architecture, local, dtype,
                 device)
     return LoadedModel(model=model, spec=model.spec, source=local, config=config)
+
+
+def _parse_config(local: Path, raw: dict[str, Any]) -> Any:
+    """The transformers config of ``local/config.json`` (``raw``), or ``ModelLoadError``.
+
+    Phi-3's first configs name longrope ``"su"``; transformers maps that name to
+    ``longrope`` but then fails to validate it, so it is renamed before parsing.
+    """
+    from transformers import AutoConfig
+
+    scaling = raw.get("rope_scaling")
+    try:
+        if isinstance(scaling, dict) and (scaling.get("type") or scaling.get("rope_type")) == "su":
+            fields = {k: v for k, v in raw.items() if k != "model_type"}
+            fields["rope_scaling"] = {**scaling, "type": "longrope", "rope_type": "longrope"}
+            return AutoConfig.for_model(raw["model_type"], **fields)
+        return AutoConfig.from_pretrained(str(local), trust_remote_code=False)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot parse {local / 'config.json'}: {exc}") from exc
 
 
 def _build(architecture: str, config: Any, dtype: torch.dtype, device: torch.device) -> CausalLM:
