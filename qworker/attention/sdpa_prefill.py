@@ -78,6 +78,22 @@ def _attend(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
 
 
+_fp32_out_bmm: dict[str, bool] = {}
+
+
+def _bmm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` (3-d) as fp32. On a GPU with 16-bit operands, the tensor cores' fp32
+    accumulator is kept (``out_dtype``, where the installed torch has it); else fp32 math."""
+    key = a.device.type
+    if a.is_cuda and a.dtype in (torch.float16, torch.bfloat16) and _fp32_out_bmm.get(key, True):
+        try:
+            return torch.bmm(a, b.to(a.dtype), out_dtype=torch.float32)
+        except (RuntimeError, TypeError) as exc:
+            _fp32_out_bmm[key] = False
+            logger.info("bmm(out_dtype=float32) unavailable on %s (%s); fp32 matmuls", key, exc)
+    return torch.bmm(a.float(), b.float())
+
+
 def _attend_capped(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -87,23 +103,27 @@ def _attend_capped(
     soft_cap: float,
 ) -> torch.Tensor:
     """Soft-capped attention of ``q`` [1, Hq, Lq, D] over ``k``/``v`` [1, Hkv, Lk, D],
-    bottom-right causal, in fp32 (the contract's softmax precision); ``q``'s dtype out."""
+    bottom-right causal; ``q``'s dtype out. Scores, cap, mask and softmax are fp32 (the
+    contract's precision); with 16-bit operands on a GPU the products run on tensor cores
+    with fp32 accumulation and the probabilities meet V in the query dtype, as the
+    tensor-core kernels do."""
     _, heads, q_len, dim = q.shape
     kv_heads, k_len = k.shape[1], k.shape[2]
     group = heads // kv_heads
     if q.device.type not in _capped_logged:
         _capped_logged.add(q.device.type)
-        logger.info("soft-capped prefill on %s: explicit fp32 attention (SDPA has no "
-                    "soft-cap)", q.device.type)
-    kf = k[0].float().unsqueeze(1).transpose(-1, -2)  # [Hkv, 1, D, Lk]
-    vf = v[0].float().unsqueeze(1)  # [Hkv, 1, Lk, D]
+        logger.info("soft-capped prefill on %s: explicit attention (SDPA has no soft-cap)",
+                    q.device.type)
+    kt = k[0].transpose(-1, -2)  # [Hkv, D, Lk]
+    vv = v[0]  # [Hkv, Lk, D]
     out = torch.empty((heads, q_len, dim), dtype=q.dtype, device=q.device)
     rows = max(1, CAPPED_SCORE_ELEMS // max(1, heads * k_len))
     k_pos = torch.arange(k_len, device=q.device).unsqueeze(0)
     for r0 in range(0, q_len, rows):
         r1 = min(q_len, r0 + rows)
-        qs = q[0, :, r0:r1].float().reshape(kv_heads, group, r1 - r0, dim)
-        scores = torch.matmul(qs, kf) * scale  # [Hkv, G, rows, Lk]
+        n = r1 - r0
+        qs = q[0, :, r0:r1].reshape(kv_heads, group * n, dim)  # GQA: a group shares K/V
+        scores = (_bmm32(qs, kt) * scale).view(kv_heads, group, n, k_len)
         scores = torch.tanh(scores / soft_cap) * soft_cap
         q_pos = torch.arange(k_len - q_len + r0, k_len - q_len + r1, device=q.device)
         q_pos = q_pos.unsqueeze(1)
@@ -111,8 +131,10 @@ def _attend_capped(
         if sliding_window is not None:
             mask |= k_pos <= q_pos - sliding_window
         scores.masked_fill_(mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[:, r0:r1] = torch.matmul(probs, vf).reshape(heads, r1 - r0, dim).to(q.dtype)
+        probs = torch.softmax(scores, dim=-1).view(kv_heads, group * n, k_len)
+        if q.is_cuda and q.dtype != torch.float32:
+            probs = probs.to(q.dtype)
+        out[:, r0:r1] = _bmm32(probs, vv).view(heads, n, dim).to(q.dtype)
     return out.unsqueeze(0)
 
 
