@@ -227,3 +227,28 @@ def test_bfloat16_gemma_stays_close_to_transformers_in_bfloat16(tiny_gemma2_dir:
         want = theirs(torch.tensor([prompt])).logits[0].float()
     assert float((got - want).abs().max()) < 0.05 * float(want.abs().max())
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+
+
+@pytest.mark.parametrize(("arch", "name"), [("gemma2", "Gemma2ForCausalLM"),
+                                            ("phi3", "Phi3ForCausalLM")])
+def test_gguf_of_these_architectures_is_refused(tmp_path: Path, arch: str, name: str) -> None:
+    # their GGUF conversions (Gemma's norm offsets, Phi-3's fused tensors) are untested here
+    import gguf
+    import numpy as np
+
+    path = tmp_path / f"{arch}.gguf"
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(2)
+    writer.add_context_length(64)
+    writer.add_embedding_length(16)
+    writer.add_feed_forward_length(32)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(1)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_tensor("token_embd.weight", np.zeros((32, 16), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match=f"{name} is not supported from GGUF"):
+        load_model(path, torch.float32, "cpu")
