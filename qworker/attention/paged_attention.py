@@ -142,6 +142,21 @@ def attention_layers(model: nn.Module) -> list[PagedAttention]:
     return sorted(layers, key=lambda m: m.layer_idx)
 
 
+def describe_layers(model: nn.Module) -> str:
+    """The model's attention layers by (window, soft-cap), for a log line, e.g.
+    ``"26 layers: 13 window 4096 soft-cap 50, 13 full soft-cap 50"``."""
+    counts: dict[LayerKey, int] = {}
+    layers = attention_layers(model)
+    for layer in layers:
+        key = (layer.sliding_window, layer.logits_soft_cap)
+        counts[key] = counts.get(key, 0) + 1
+    parts = []
+    for (window, cap), n in counts.items():
+        text = f"{n} " + (f"window {window}" if window is not None else "full")
+        parts.append(text + (f" soft-cap {cap:g}" if cap is not None else ""))
+    return f"{len(layers)} layers: " + ", ".join(parts)
+
+
 def bind_kv_cache(model: nn.Module, kv_cache: KVCache, backend: AttentionBackend) -> None:
     """Point every attention layer of ``model`` at its slice of ``kv_cache`` and at
     ``backend`` (call again after the pool is reallocated)."""

@@ -23,6 +23,7 @@ import torch
 
 from qworker import cpu_kernels
 from qworker.attention.fp8 import kv_storage_dtype
+from qworker.attention.paged_attention import describe_layers
 from qworker.attention.select import select_backend
 from qworker.engine.config import EngineConfig, check_config
 from qworker.engine.cuda_graphs import graph_batch_sizes
@@ -122,6 +123,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         )
     loaded.model.set_max_model_len(max_model_len)
     backend = select_backend(config.attention_backend, device)
+    # every backend honours per-layer windows and soft-caps (docs/models.md)
+    logger.info("attention: %s, all through the %s backend",
+                describe_layers(loaded.model), backend.name)
     if device.type == "cuda":  # the kernel path has the small ops fused too; "torch" has not
         fused_kernels.enable(fused_kernels.FusedKernels() if backend.name == "cuda" else None)
     elif backend.name == "cpu" and spec.dtype == torch.float32:
