@@ -344,8 +344,10 @@ def unsupported_reason(
     return layout_reason(block_size, num_q_heads, num_kv_heads)
 
 
-def all_instantiations() -> dict[str, list[str]]:
-    """Every name expression the backend can request, per source file."""
+def all_instantiations(soft_capped: bool = False) -> dict[str, list[str]]:
+    """Every name expression the backend can request, per source file; ``soft_capped``
+    adds every attention kernel's ``CAP = 1`` instantiation (only soft-capped models,
+    Gemma 2, request them: they compile on first use unless precompiled from this list)."""
     decode = [
         f"paged_attention_decode<{code}, {d}, {gt}>"
         for code in DTYPE_CODE.values()
@@ -369,11 +371,15 @@ def all_instantiations() -> dict[str, list[str]]:
         for d in TC_HEAD_SIZES
         if d <= PREFILL_TC_MAX_HEAD
     ]
-    return {  # every attention kernel also as its soft-capped instantiation (Gemma 2)
-        PAGED_ATTENTION: decode + [with_cap(n, True) for n in decode] + reduce,
+    if soft_capped:
+        decode += [with_cap(n, True) for n in decode]
+        tc_decode += [with_cap(n, True) for n in tc_decode]
+        tc_prefill += [with_cap(n, True) for n in tc_prefill]
+    return {
+        PAGED_ATTENTION: decode + reduce,
         CACHE_OPS: cache,
-        DECODE_TC: tc_decode + [with_cap(n, True) for n in tc_decode],
-        PREFILL_TC: tc_prefill + [with_cap(n, True) for n in tc_prefill],
+        DECODE_TC: tc_decode,
+        PREFILL_TC: tc_prefill,
     }
 
 

@@ -387,8 +387,7 @@ def test_gpu_engine_greedy_tokens_match_the_torch_backend(tmp_path, kv_heads: in
 @pytest.mark.gpu
 @pytest.mark.parametrize("prefill", ["paged", "sdpa"])
 @pytest.mark.parametrize(
-    ("dtype", "kv8"), [(torch.bfloat16, False), (torch.float16, False), (torch.bfloat16, True),
-                       (torch.float32, False)],
+    ("dtype", "kv8"), [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, False)],
 )
 def test_gpu_soft_capped_windowed_layers_match_reference(dtype: torch.dtype, kv8: bool,
                                                          prefill: str) -> None:
@@ -397,9 +396,9 @@ def test_gpu_soft_capped_windowed_layers_match_reference(dtype: torch.dtype, kv8
     from tests.attention.test_decode_tc import fp8_batch
 
     failures = []
-    for dim, (q_heads, kv_heads), window, cap in ((128, (16, 8), 4096, 50.0),
-                                                  (256, (8, 4), None, 30.0),
-                                                  (128, (32, 16), 700, 2.0)):
+    # (two head sizes, group 2: few kernels to compile on first use)
+    for dim, (q_heads, kv_heads), window, cap in ((128, (16, 8), 700, 2.0),
+                                                  (256, (8, 4), None, 30.0)):
         batch = make_batch([1, 1, 1, 37, 300, 5], [1, 900, 3000, 500, 300, 2000], q_heads,
                            kv_heads, dim, 16, dtype, "cuda", sliding_window=window,
                            logits_soft_cap=cap, pad_tokens=3, seed=dim + q_heads)

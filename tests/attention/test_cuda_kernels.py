@@ -9,7 +9,7 @@ from qworker.attention import cuda_kernels as ck
 
 
 def test_every_requestable_decode_name_is_in_the_compiled_set() -> None:
-    names = set(ck.all_instantiations()[ck.PAGED_ATTENTION])
+    names = set(ck.all_instantiations(soft_capped=True)[ck.PAGED_ATTENTION])
     for dtype in ck.DTYPE_CODE:
         assert ck.reduce_name(dtype) in names
         for d in ck.HEAD_SIZES:
@@ -125,7 +125,10 @@ def test_tc_layouts_fit_two_ctas_per_sm() -> None:
 
 
 def test_soft_capped_layers_get_their_own_instantiation_of_every_kernel() -> None:
-    every = ck.all_instantiations()
+    every = ck.all_instantiations(soft_capped=True)
+    uncapped = ck.all_instantiations()  # what gpu_check precompiles: the capped set is extra
+    assert set(uncapped[ck.DECODE_TC]) < set(every[ck.DECODE_TC])
+    assert all(n.count(",") == 3 for n in uncapped[ck.DECODE_TC])
     plan = ck.plan_decode_tc(torch.bfloat16, False, 128, 4, 8, 4, 2000, 132)
     assert plan.kernel_name(False) == plan.name == "paged_decode_tc<2, 0, 128, 1>"
     assert plan.kernel_name(True) == "paged_decode_tc<2, 0, 128, 1, 1>"
