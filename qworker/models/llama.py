@@ -254,4 +254,3 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3: Llama with per-head RMSNorm on queries and keys before RoPE."""
-
