@@ -35,11 +35,10 @@ TC_NVCC_SAMPLE = {
         "paged_decode_tc<2, 0, 96, 2>",
         "paged_decode_tc<2, 0, 256, 1>",
         "paged_decode_tc<1, 1, 256, 1>",
-        "paged_decode_tc<2, 0, 96, 2, 1>",  # soft-capped (Gemma 2)
-        "paged_decode_tc<2, 0, 256, 1, 1>",
+        "paged_decode_tc<2, 0, 256, 1, 1>",  # soft-capped (Gemma 2)
     ],
     ck.PREFILL_TC: ["paged_prefill_tc<2, 0, 128>", "paged_prefill_tc<2, 0, 160>",
-                    "paged_prefill_tc<2, 0, 160, 1>", "paged_prefill_tc<2, 1, 160, 1>"],
+                    "paged_prefill_tc<2, 0, 160, 1>"],
 }
 
 NVRTC_TC_SAMPLE = {
@@ -131,8 +130,7 @@ def _nvcc_names(source: str, names: list[str]) -> list[str]:
         keep.add(ck.reduce_name(dtype))
         for d in ck.HEAD_SIZES:
             keep.add(ck.decode_name(dtype, d, max(ck.HEAD_TILES)))
-        for d in (128, 256):  # soft-capped: the heaviest tiles
-            keep.add(ck.decode_name(dtype, d, max(ck.HEAD_TILES), capped=True))
+        keep.add(ck.decode_name(dtype, 256, max(ck.HEAD_TILES), capped=True))  # soft-capped
         for gt in ck.HEAD_TILES:
             keep.add(ck.decode_name(dtype, 128, gt))
     return [n for n in names if n in keep]
