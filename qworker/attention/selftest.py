@@ -45,12 +45,13 @@ from qworker.attention.torch_ref import TorchAttentionBackend
 
 logger = logging.getLogger(__name__)
 
-#: Relative error bounds per query dtype: about 2x what output rounding gives (the kernel
-#: tests' tolerances, tests/attention/cases.py), far below what a wrong kernel gives.
+#: Relative error bounds per query dtype: 5-10x what output rounding gives on these small
+#: contexts (bf16 ~1e-3, fp16 ~2e-4, fp32 ~2e-7 measured on the emulator), inside the kernel
+#: tests' tolerances (tests/attention/cases.py), far below what a wrong kernel gives.
 BOUNDS: dict[torch.dtype, float] = {
     torch.float32: 1e-4,
-    torch.float16: 5e-3,
-    torch.bfloat16: 2.5e-2,
+    torch.float16: 2e-3,
+    torch.bfloat16: 1e-2,
 }
 
 #: Query magnitude: sharper softmax rows than unit-variance queries give, as trained models
