@@ -14,12 +14,12 @@ on the device, with the engine's backend and kernel runner (cupy on a GPU; the C
 
 Each is compared with :class:`~qworker.attention.torch_ref.TorchAttentionBackend` on the same
 inputs by ``||out - ref|| / ||ref||`` against :data:`BOUNDS` (output rounding of the dtype,
-with room: a wrong kernel is off by far more, see docs/benchmarks.md). Every pool slot that no
-sequence owns is NaN, so a kernel that reads a wrong block or past a context fails with an
-infinite error. A component whose kernel fails falls back to the next path (decode: tensor
-cores, then the CUDA-core kernel, then gather + SDPA; prefill: the paged kernel, then gather +
-SDPA; cache write: the kernel, then the torch scatter) until one passes; the result names
-every check, its kernels and its error.
+with room: a wrong kernel is off by far more; docs/operations.md, "Kernel self-test"). Every
+pool slot that no sequence owns is NaN, so a kernel that reads a wrong block or past a
+context fails with an infinite error. A component whose kernel fails falls back to the next
+path (decode: tensor cores, then the CUDA-core kernel, then gather + SDPA; prefill: the paged
+kernel, then gather + SDPA; cache write: the kernel, then the torch scatter) until one
+passes; the result names every check, its kernels and its error.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The kernel self-test at engine start (``kernel_selftest``: "on" | "strict" | "off"; see
-docs/configuration.md, "Kernel self-test").
+docs/operations.md, "Kernel self-test").
 
 With the CUDA attention backend, before the pool is sized, :func:`run_selftest` checks the
 kernels the engine selected against the torch reference at the model's dtype, head size,

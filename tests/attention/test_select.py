@@ -26,7 +26,7 @@ def test_without_cupy_auto_is_the_reference_and_cuda_is_refused(
         backend = select_backend("auto", GPU)
     assert isinstance(backend, TorchAttentionBackend) and backend.name == "torch"
     assert any("CuPy does not import" in r.getMessage() for r in caplog.records)
-    with pytest.raises(ValueError, match="attention_backend='cuda' needs CuPy.*cupy"):
+    with pytest.raises(ValueError, match=r"attention_backend='cuda' needs CuPy.*cupy"):
         select_backend("cuda", GPU)
 
 
