@@ -121,6 +121,9 @@ STAGES: list[Stage] = [
     # e.g. Stage("tp2", 90, 80, '[ "$GPU_COUNT" -ge 2 ] || skip "needs 2 GPUs"; ...'),
 ]
 
+#: A test module with ``gpu`` tests: a decorator or a module-level ``pytestmark``.
+GPU_MARK = re.compile(r"^\s*(@pytest\.mark\.gpu\b|pytestmark\s*=.*\bgpu\b)", re.MULTILINE)
+
 #: Limit of a ``gpu`` test file the table does not name, and its priority.
 DEFAULT_PYTEST_LIMIT, DEFAULT_PYTEST_PRIORITY = 30, 47
 
@@ -132,7 +135,7 @@ def discover_pytest_stages(stages: list[Stage], root: Path = ROOT) -> list[Stage
     for path in sorted((root / "tests").rglob("test_*.py")):
         rel = path.relative_to(root).as_posix()
         stage = pytest_stage(rel, DEFAULT_PYTEST_LIMIT, DEFAULT_PYTEST_PRIORITY)
-        if stage.name not in named and "mark.gpu" in path.read_text(errors="replace"):
+        if stage.name not in named and GPU_MARK.search(path.read_text(errors="replace")):
             extra.append(stage)
     return [*stages, *extra]
 
