@@ -36,7 +36,8 @@ def test_the_first_call_fits_its_budget_in_order_of_value() -> None:
     assert order.index("step_time") < order.index("fixed_len") < order.index("engine")
     # every test file with gpu tests is a stage (one process each), named by the table
     files = {p.relative_to(ROOT / "tests").with_suffix("").as_posix()
-             for p in (ROOT / "tests").rglob("test_*.py") if gpu_check.GPU_MARK.search(p.read_text())}
+             for p in (ROOT / "tests").rglob("test_*.py")
+             if gpu_check.GPU_MARK.search(p.read_text())}
     assert {f"pytest:{f}" for f in files} <= {s.name for s in stages}
     assert all(s.priority != gpu_check.DEFAULT_PYTEST_PRIORITY for s in stages), \
         "a gpu test file has no line in STAGES: give it a limit and a priority"
@@ -101,7 +102,8 @@ def test_a_run_reports_after_every_stage_and_keeps_out_small(tmp_path: Path) -> 
     assert report["next"]["later_calls"] == [
         {"call": 2, "command": "QWORKER_GPU_CHECK_CALL=2 scripts/gpu_check.sh",
          "stages": ["next"]}]
-    assert report["next"]["rerun_failed"] == "QWORKER_GPU_CHECK_ONLY='hang litter' scripts/gpu_check.sh"
+    assert report["next"]["rerun_failed"] == (
+        "QWORKER_GPU_CHECK_ONLY='hang litter' scripts/gpu_check.sh")
     md = (out / "report.md").read_text()
     assert "| hang | 1 | timeout |" in md and "QWORKER_GPU_CHECK_CALL=2" in md
     log = (out / "gpu_check.log").read_text()
