@@ -140,6 +140,19 @@ def discover_pytest_stages(stages: list[Stage], root: Path = ROOT) -> list[Stage
     return [*stages, *extra]
 
 
+def with_limits(stages: list[Stage], spec: str) -> list[Stage]:
+    """``stages`` with limits replaced per ``spec`` (``"kernels=80 step_time=100"``: a rerun
+    of a stage that timed out); an unknown name or a bad number is refused."""
+    limits: dict[str, int] = {}
+    for item in _words(spec):
+        name, _, value = item.partition("=")
+        if not value.isdigit() or name not in {s.name for s in stages}:
+            raise SystemExit(f"QWORKER_GPU_CHECK_LIMITS: {item!r} is not STAGE=SECONDS for a "
+                             "stage of the plan (--plan lists them)")
+        limits[name] = int(value)
+    return [Stage(s.name, limits.get(s.name, s.limit), s.priority, s.command) for s in stages]
+
+
 def plan_calls(stages: list[Stage], budget: int) -> dict[str, int]:
     """The call each stage runs in (0: setup, every call). Stages go in priority order (ties
     in table order); a call takes them while setup plus their limits fit ``budget``."""
@@ -475,7 +488,8 @@ def main(argv: list[str] | None = None) -> int:
         return install_deps(*args.install_deps)
     if args.precompile:
         return precompile_kernels()
-    stages = discover_pytest_stages(STAGES)
+    stages = with_limits(discover_pytest_stages(STAGES),
+                         os.environ.get("QWORKER_GPU_CHECK_LIMITS", ""))
     only = _words(os.environ.get("QWORKER_GPU_CHECK_ONLY"))
     skip = _words(os.environ.get("QWORKER_GPU_CHECK_SKIP"))
     calls = plan_calls(stages, args.budget)

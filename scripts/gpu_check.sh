@@ -21,6 +21,7 @@
 #   QWORKER_GPU_CHECK_ONLY="kernels pytest:attention/*"   just these stages (names or globs;
 #                                setup still runs): the rerun of failed stages
 #   QWORKER_GPU_CHECK_SKIP="structured"   stages not to run (reported excluded)
+#   QWORKER_GPU_CHECK_LIMITS="kernels=80"  other limits for a rerun (STAGE=SECONDS ...)
 #   QWORKER_GPU_CHECK_BUDGET     seconds of stage limits per call (default 330)
 #   QWORKER_GPU_DEPS             carried wheels (default gpu_deps/, git-ignored): fill it with
 #                                scripts/pack_gpu_deps.sh and name it in the tool's carry
@@ -36,7 +37,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 for arg in "$@"; do
   if [[ "$arg" == -h || "$arg" == --help ]]; then
-    sed -n '2,40p' "$0"
+    awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"
     exit 0
   fi
 done
