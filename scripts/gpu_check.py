@@ -118,6 +118,8 @@ STAGES: list[Stage] = [
     # end to end against transformers, structured outputs; later issues add theirs below
     Stage("engine", 100, 50, _ENGINE),
     Stage("structured", 90, 60, _STRUCTURED),
+    Stage("selftest_margin", 20, 65, '"$PYTHON" scripts/bench_selftest.py --out "$STAGE_JSON" '
+          '$DRY_FLAG'),
     # e.g. Stage("tp2", 90, 80, '[ "$GPU_COUNT" -ge 2 ] || skip "needs 2 GPUs"; ...'),
 ]
 

@@ -20,7 +20,7 @@ from qworker.attention.selftest import (
     select_attention,
 )
 from qworker.attention.torch_ref import TorchAttentionBackend
-from tests.attention.emulator.faults import FaultyKernels, RoutedKernels
+from qworker.testing.kernel_faults import FaultyKernels, RoutedKernels
 
 CPU = torch.device("cpu")
 

@@ -28,7 +28,7 @@ from qworker.engine.kernel_selftest import (
     check_graphs,
 )
 from qworker.engine.sampling_params import SamplingParams
-from tests.attention.emulator.faults import FaultyKernels, RoutedKernels
+from qworker.testing.kernel_faults import FaultyKernels, RoutedKernels
 from tests.engine.reference import hf_greedy, random_prompts
 from tests.engine.test_engine_tensor_cores import SHAPES, compare, generate
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from qworker.models import fused_kernels, ops
 from qworker.models.fused_kernels import OPS, FusedKernels
 from qworker.models.fused_selftest import FusedShape, check_fused_ops, passing_ops
-from tests.attention.emulator.faults import FaultyKernels
+from qworker.testing.kernel_faults import FaultyKernels
 
 CPU = torch.device("cpu")
 SHAPE = FusedShape(torch.bfloat16, hidden_size=64, mlp_width=96, num_q_heads=4, num_kv_heads=2,

@@ -1,5 +1,7 @@
-"""Planted kernel faults for the self-test's tests: kernel runners that make chosen kernels
-compute wrong numbers, so the engine's start-up check has something real to catch.
+"""Planted kernel faults for the kernel self-test (its tests on the CPU emulator, and
+``scripts/bench_selftest.py`` on a GPU too): kernel runners that make chosen kernels compute
+wrong numbers, so the engine's start-up check has something real to catch. They wrap any
+runner with the ``get`` / ``launch`` interface (cupy's kernel cache, the emulator).
 
 - :class:`RoutedKernels` sends the kernels whose name starts with a prefix to another runner,
   e.g. an emulator library built with ``QW_EMU_MUTATE_WAIT=1`` (the decode kernel's cp.async
