@@ -197,3 +197,16 @@ def test_graph_replay_check_passes_a_sound_graph_and_drops_a_stale_one(
     check_graphs(report, stale)
     assert report.state is SelftestState.FELL_BACK and stale.graphs is None
     assert not report.checks[-1].passed and report.checks[-1].rel_err > 0.05
+
+
+def test_a_shape_the_attention_kernels_do_not_serve_is_reported_mixed(
+    emu_lib: Any, tiny_llama_dir: Path
+) -> None:
+    from tests.attention.emulator import EmulatedKernels
+
+    # fp32 head size 16: no decode kernel; only the cache write launches a kernel
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", **KW),
+                    kernels=EmulatedKernels(emu_lib))
+    stats = engine.stats()
+    assert (stats.attention_backend, stats.kernel_selftest) == ("mixed", "passed")
+    assert stats.kernel_paths == {"decode": "torch", "prefill": "torch", "cache_write": "cuda"}
