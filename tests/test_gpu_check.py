@@ -16,19 +16,20 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from scripts import gpu_check  # noqa: E402
-from scripts.gpu_check import Stage, discover_pytest_stages, plan_calls, run_check  # noqa: E402
+from scripts import gpu_check_helpers, gpu_check_stages  # noqa: E402
+from scripts.gpu_check import run_check  # noqa: E402
 from scripts.gpu_check_report import ALLOWED_FILES, MAX_OUT_FILES, pytest_summary, targets  # noqa: E402
+from scripts.gpu_check_stages import Stage, discover_pytest_stages, plan_calls  # noqa: E402
 
 
 def test_the_first_call_fits_its_budget_in_order_of_value() -> None:
-    stages = discover_pytest_stages(gpu_check.STAGES)
-    calls = plan_calls(stages, gpu_check.BUDGET)
+    stages = discover_pytest_stages(gpu_check_stages.STAGES)
+    calls = plan_calls(stages, gpu_check_stages.BUDGET)
     setup = [s for s in stages if s.priority == 0]
     assert {s.name for s in setup} == {"info", "deps", "precompile"}
     for call in set(calls.values()) - {0}:
         total = sum(s.limit for s in stages if calls[s.name] in (0, call))
-        assert total <= gpu_check.BUDGET, (call, total)
+        assert total <= gpu_check_stages.BUDGET, (call, total)
     first = [s.name for s in sorted(stages, key=lambda s: s.priority) if calls[s.name] == 1]
     assert first[:2] == ["pytest:attention/test_selftest", "pytest:engine/test_engine_tensor_cores"]
     assert first.index("kernels") < first.index("step_time")
@@ -37,9 +38,9 @@ def test_the_first_call_fits_its_budget_in_order_of_value() -> None:
     # every test file with gpu tests is a stage (one process each), named by the table
     files = {p.relative_to(ROOT / "tests").with_suffix("").as_posix()
              for p in (ROOT / "tests").rglob("test_*.py")
-             if gpu_check.GPU_MARK.search(p.read_text())}
+             if gpu_check_stages.GPU_MARK.search(p.read_text())}
     assert {f"pytest:{f}" for f in files} <= {s.name for s in stages}
-    assert all(s.priority != gpu_check.DEFAULT_PYTEST_PRIORITY for s in stages), \
+    assert all(s.priority != gpu_check_stages.DEFAULT_PYTEST_PRIORITY for s in stages), \
         "a gpu test file has no line in STAGES: give it a limit and a priority"
 
 
@@ -148,7 +149,7 @@ def test_targets_are_judged_on_the_measured_tables() -> None:
 
 
 def test_fused_kernels_are_in_the_precompile_list() -> None:
-    names = gpu_check.precompile_names()
+    names = gpu_check_helpers.precompile_names()
     assert ("fused_ops.cu", "rotary_neox<2>") in names
     assert ("paged_decode_tc.cu", "paged_decode_tc<2, 0, 128, 1>") in names
     assert len(names) == len(set(names))
