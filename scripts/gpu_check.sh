@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check (issue 23), built for one rare call of the device tool (15 minutes of H200 per
 # lucky session, the machine's start included). The stages, in order of value, each under its
-# own limit (scripts/gpu_check.py, STAGES: one line each):
+# own limit (scripts/gpu_check_stages.py, STAGES: one line each):
 #   setup (every call): info 10 s, deps 10 s (gpu_deps/ wheels), precompile 35 s (every kernel
 #     into cupy's cache, 16 processes)
 #   call 1 (330 s of limits): pytest -m gpu for the self-test, the bf16/fp16 engine, the decode
