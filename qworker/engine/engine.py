@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from qworker.attention.kernel_cache import KernelRunner
 from qworker.engine.config import EngineConfig, served_model_name
 from qworker.engine.detokenizer import start_offsets
 from qworker.engine.engine_setup import EngineParts, build_engine_parts
@@ -37,7 +38,7 @@ logger = logging.getLogger(__name__)
 class Engine:
     """A continuously batched, paged-KV generator (the Python API of README.md)."""
 
-    def __init__(self, config: EngineConfig, kernels: Any | None = None) -> None:
+    def __init__(self, config: EngineConfig, kernels: KernelRunner | None = None) -> None:
         # kernels: tests run the CUDA backend's kernels through the CPU emulator this way
         parts: EngineParts = build_engine_parts(config, kernels)
         self.config = config
