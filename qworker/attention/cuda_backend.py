@@ -14,8 +14,8 @@ cache, :mod:`qworker.attention.fp8`) and copy-on-write copies are kernels of
 
 ``decode="torch"`` and ``cache_write="torch"`` route one component to torch code while the
 others keep their kernels: the engine's kernel self-test (:mod:`qworker.attention.selftest`,
-docs/configuration.md) picks them for a kernel that failed it; :meth:`paths` names what
-serves each component for a model's shape.
+docs/operations.md, "Kernel self-test") picks them for a kernel that failed it; :meth:`paths`
+names what serves each component for a model's shape.
 
 Everything runs on torch's current stream (read at each launch) on torch-owned memory,
 zero-copy. Shapes the kernels do not cover (head size, dtype, block size), and tensors not
