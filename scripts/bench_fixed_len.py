@@ -213,6 +213,8 @@ def main() -> None:
         "dtype": config.dtype,
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "attention_backend": stats.attention_backend,
+        "kernel_selftest": stats.kernel_selftest,
+        "kernel_paths": stats.kernel_paths,
         "cuda_graphs": stats.cuda_graphs,
         "max_num_seqs": args.max_num_seqs,
         "num_kv_blocks": stats.num_kv_blocks,

@@ -204,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         "model": "Llama-3.1-8B shape, random weights" if not args.dry_run else "tiny llama",
         "dtype": dtype, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
         "attention_backend": stats.attention_backend, "cuda_graphs": stats.cuda_graphs,
+        "kernel_selftest": stats.kernel_selftest, "kernel_paths": stats.kernel_paths,
+        "kernel_selftest_report": engine.selftest.as_dict(),  # its checks, seconds at start
         "copy_gbps": bandwidth / 1e9 if bandwidth else None, "weight_bytes": weight_bytes,
         "startup_s": startup,
         "rows": rows, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -23,9 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
@@ -206,3 +209,9 @@ def workload_structured(args: argparse.Namespace, presets: dict[str, dict[str, A
           "max_num_seqs": args.max_num_seqs, "attention_backend": engine.runner.backend.name,
           "torch_threads": torch.get_num_threads(),
           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, rows, args)
+
+
+if __name__ == "__main__":  # the same as scripts/bench_engine.py --workload structured ...
+    from scripts.bench_engine import main
+
+    raise SystemExit(main(["--workload", "structured", *sys.argv[1:]]))

@@ -3,7 +3,9 @@
 # stage of scripts/gpu_check.sh, to travel in the device tool's `carry`:
 #   - the llguidance wheel (cp39-abi3 manylinux: installs on the GPU box's Python 3.12),
 #   - SmolLM2's tokenizer files (the random bench model borrows its 49152-token vocabulary).
-# About 6 MiB in all. gpu_check.sh installs the wheel itself with `pip install --no-index`.
+# About 6 MiB in all. gpu_check.sh installs every wheel here itself (its `deps` stage,
+# `pip install --no-index --no-deps --target`, on PYTHONPATH for every later stage); later
+# stages that need another package add its wheel here the same way (cp312, manylinux x86-64).
 #
 # Usage: scripts/pack_gpu_deps.sh [DIR]     (default gpu_deps); PYTHON (default .venv's)
 set -euo pipefail
@@ -30,3 +32,10 @@ AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf.name).save_pretrained(
 print(f"tokenizer -> {sys.argv[1]}")
 PY
 du -sh "$DIR"
+# the device tool carries 64 MiB in all, the working tree included
+size=$(du -sm "$DIR" | cut -f1)
+if ((size > 40)); then
+  echo "$DIR holds ${size} MiB: too much to carry beside the working tree (64 MiB in all)" >&2
+  exit 1
+fi
+echo "carry it: run(command=\"scripts/gpu_check.sh\", carry=[\"$DIR\"], timeout_s=400)"

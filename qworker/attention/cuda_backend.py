@@ -12,6 +12,11 @@ torch SDPA (:mod:`qworker.attention.sdpa_prefill`), and ``"auto"`` picks per ste
 cache, :mod:`qworker.attention.fp8`) and copy-on-write copies are kernels of
 ``cuda/cache_ops.cu``; swapping uses torch copies (see :meth:`swap_blocks`).
 
+``decode="torch"`` and ``cache_write="torch"`` route one component to torch code while the
+others keep their kernels: the engine's kernel self-test (:mod:`qworker.attention.selftest`,
+docs/operations.md, "Kernel self-test") picks them for a kernel that failed it; :meth:`paths`
+names what serves each component for a model's shape.
+
 Everything runs on torch's current stream (read at each launch) on torch-owned memory,
 zero-copy. Shapes the kernels do not cover (head size, dtype, block size), and tensors not
 on a CUDA device, go to the torch reference with one log line per reason. The module imports
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Any
 
 import torch
 
@@ -76,8 +82,10 @@ class CudaAttentionBackend(AttentionBackend):
     ``split_k`` None lets the heuristic choose per call (True/False force it, with
     ``partition_size`` tokens per partition when given); ``prefill`` is ``"auto"``,
     ``"sdpa"`` (gather + SDPA) or ``"paged"`` (one batched kernel launch); ``decode`` is
-    ``"auto"`` (tensor cores for fp16/bf16) or ``"legacy"`` (the CUDA-core kernel, fp16/bf16/
-    fp32, not for an FP8 cache). One instance serves every layer; compiled kernels are
+    ``"auto"`` (tensor cores for fp16/bf16), ``"legacy"`` (the CUDA-core kernel, fp16/bf16/
+    fp32, not for an FP8 cache) or ``"torch"`` (gather + SDPA, no kernel); it chooses the
+    decode kernel only, prefill keeps its own. ``cache_write`` is ``"kernel"`` or ``"torch"``
+    (the reference's scatter). One instance serves every layer; compiled kernels are
     shared process-wide. ``last_decode`` records the plan of the latest decode launch (tests
     and benchmarks read it).
 
@@ -96,17 +104,21 @@ class CudaAttentionBackend(AttentionBackend):
         kernels: KernelRunner | None = None,
         num_sms: int | None = None,
         decode: str = "auto",
+        cache_write: str = "kernel",
     ) -> None:
         if prefill not in ("auto", "sdpa", "paged"):
             raise ValueError(f"prefill must be 'auto', 'sdpa' or 'paged', not {prefill!r}")
-        if decode not in ("auto", "legacy"):
-            raise ValueError(f"decode must be 'auto' or 'legacy', not {decode!r}")
+        if decode not in ("auto", "legacy", "torch"):
+            raise ValueError(f"decode must be 'auto', 'legacy' or 'torch', not {decode!r}")
+        if cache_write not in ("kernel", "torch"):
+            raise ValueError(f"cache_write must be 'kernel' or 'torch', not {cache_write!r}")
         if partition_size is not None and partition_size <= 0:
             raise ValueError(f"partition_size must be positive, not {partition_size}")
         self.split_k = split_k
         self.partition_size = partition_size
         self.prefill = prefill
         self.decode_kernel = decode
+        self.cache_write = cache_write
         self.last_decode: object | None = None
         self.last_prefill: str | None = None
         self._ref = TorchAttentionBackend()
@@ -124,6 +136,50 @@ class CudaAttentionBackend(AttentionBackend):
     def available() -> bool:
         """Whether this backend can launch kernels here (CUDA device and cupy present)."""
         return torch.cuda.is_available() and cupy_available()
+
+    @property
+    def kernel_runner(self) -> KernelRunner:
+        """The runner this backend launches through (cupy's cache, or an injected one)."""
+        return self._kernels
+
+    def variant(self, kernels: KernelRunner | None = None, **routes: Any) -> CudaAttentionBackend:
+        """A sibling backend with some constructor settings changed (``routes``: split_k,
+        partition_size, prefill, decode, cache_write), sharing this one's kernel runner
+        (or ``kernels``, a wrapper of it), emulation and multiprocessor count."""
+        settings: dict[str, Any] = {
+            "split_k": self.split_k, "partition_size": self.partition_size,
+            "prefill": self.prefill, "decode": self.decode_kernel,
+            "cache_write": self.cache_write, **routes,
+        }
+        other = CudaAttentionBackend(**settings, num_sms=self._fixed_sms)
+        other._kernels = kernels if kernels is not None else self._kernels
+        other._emulated = self._emulated
+        other._tc = TcLauncher(other._kernels, other._emulated)
+        return other
+
+    def paths(self, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int,
+              num_q_heads: int, num_kv_heads: int, block_size: int) -> dict[str, str]:
+        """What serves each component for this shape: ``decode`` (``tensor_core`` |
+        ``legacy`` | ``torch``), ``prefill`` (``tensor_core``, i.e. the paged kernel where
+        :func:`~qworker.attention.cuda_kernels.prefill_choice` picks it and SDPA elsewhere |
+        ``legacy`` | ``sdpa``), ``cache_write`` (``cuda`` | ``torch``); all ``torch`` when the
+        kernels cannot serve the shape at all (the cache write has its own kernel)."""
+        q = torch.empty((0, num_q_heads, head_dim), dtype=dtype)
+        kc = torch.empty((0, num_kv_heads, block_size, head_dim), dtype=kv_dtype)
+        reason, path = self._path(q, kc, kc)
+        write = "torch" if self.cache_write == "torch" else "cuda"
+        if reason is not None:
+            return {"decode": "torch", "prefill": "torch", "cache_write": write}
+        decode = {"tc": "tensor_core", "legacy": "legacy"}[path]
+        if self.decode_kernel == "torch":
+            decode = "torch"
+        tc_prefill = tc_supported(dtype, head_dim) and prefill_tc_supported(dtype, head_dim)
+        prefill = "sdpa"
+        if self.prefill != "sdpa" and tc_prefill:
+            prefill = "tensor_core"
+        elif self.prefill == "paged" and not tc_supported(dtype, head_dim):
+            prefill = "legacy"
+        return {"decode": decode, "prefill": prefill, "cache_write": write}
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -181,7 +237,7 @@ class CudaAttentionBackend(AttentionBackend):
         split count comes from the device ``seq_lens``). Only for the tensor-core decode
         (fp16/bf16 queries); make it before capture (it allocates)."""
         device = torch.device(device)
-        if not tc_supported(dtype, head_dim) or self.decode_kernel == "legacy":
+        if not tc_supported(dtype, head_dim) or self.decode_kernel != "auto":
             raise ValueError(f"no tensor-core decode for {dtype} head size {head_dim}")
         kv8 = kv_cache_dtype is not None and is_fp8(kv_cache_dtype)
         sms = self._sms(device)
@@ -201,7 +257,7 @@ class CudaAttentionBackend(AttentionBackend):
     ) -> None:
         """Store new K/V rows at their slots with ``reshape_and_cache`` (quantizing with
         ``reshape_and_cache_fp8`` for an FP8 cache); -1 slots skipped."""
-        if not self._usable(key_cache, value_cache, key, value):
+        if self.cache_write == "torch" or not self._usable(key_cache, value_cache, key, value):
             return self._ref.write_kv(key, value, key_cache, value_cache, slot_mapping, kv_scales)
         if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
             self._fallback("non-contiguous KV cache")
@@ -251,11 +307,12 @@ class CudaAttentionBackend(AttentionBackend):
     def _path(
         self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
     ) -> tuple[str | None, str]:
-        """(reason to use the torch reference or None, "tc" | "legacy")."""
+        """(reason to use the torch reference or None, "tc" | "legacy"): the decode kernel
+        (``decode="torch"`` keeps "tc" where tensor cores serve the shape, for prefill)."""
         _, q_heads, dim = query.shape
         _, kv_heads, block_size, _ = key_cache.shape
         kv8 = is_fp8(key_cache.dtype)
-        tc = self.decode_kernel == "auto" and tc_supported(query.dtype, dim)
+        tc = self.decode_kernel != "legacy" and tc_supported(query.dtype, dim)
         if kv8:
             if not tc:
                 return f"FP8 cache with {query.dtype} queries of head size {dim}", "tc"
@@ -300,7 +357,12 @@ class CudaAttentionBackend(AttentionBackend):
             ctx = meta.seq_lens[:num_decodes]
             if ctx.dtype != torch.int32:
                 ctx = ctx.to(torch.int32)
-            if path == "tc":
+            if self.decode_kernel == "torch":
+                starts, lens = self._host_lists(meta)
+                sdpa_prefill(query, key_cache, value_cache, tables, starts, lens[:num_decodes],
+                             0, scale, out, meta.sliding_window, scales,
+                             soft_cap=meta.logits_soft_cap)  # fmt: skip
+            elif path == "tc":
                 self._tc.decode(query, out, key_cache, value_cache, tables, ctx.contiguous(),
                                 meta, scale, scales, self._sms(query.device), self.split_k,
                                 self.partition_size)  # fmt: skip
@@ -312,19 +374,20 @@ class CudaAttentionBackend(AttentionBackend):
         if num_decodes < meta.num_seqs:
             starts, lens = self._host_lists(meta)
             mode = self.prefill
-            tc_prefill = path == "tc" and prefill_tc_supported(query.dtype, dim)
+            # the tensor-core prefill serves its shapes whichever decode kernel runs
+            tc_prefill = tc_supported(query.dtype, dim) and prefill_tc_supported(query.dtype, dim)
             if mode == "auto":  # the legacy per-token path never wins (cuda/NOTES.md)
                 mode = "sdpa"
                 if tc_prefill:
                     mode = prefill_choice(meta.num_seqs - num_decodes, meta.max_query_len)
-            if mode == "paged" and path == "tc" and not tc_prefill:
+            if mode == "paged" and tc_supported(query.dtype, dim) and not tc_prefill:
                 mode = "sdpa"  # past PREFILL_TC_MAX_HEAD
             self.last_prefill = mode
             if mode == "sdpa":
                 sdpa_prefill(query, key_cache, value_cache, tables, starts, lens, num_decodes,
                              scale, out, meta.sliding_window, scales,
                              soft_cap=meta.logits_soft_cap)  # fmt: skip
-            elif path == "tc":
+            elif tc_prefill:
                 self._tc.prefill(query, out, key_cache, value_cache, tables, meta, starts, lens,
                                  scale, scales)  # fmt: skip
             else:

@@ -40,11 +40,16 @@ def import_cupy() -> Any:
 
 def cupy_available() -> bool:
     """Whether cupy imports here (it still needs a driver to launch anything)."""
+    return cupy_import_error() is None
+
+
+def cupy_import_error() -> str | None:
+    """Why cupy does not import here (``"ModuleNotFoundError: ..."``), or None when it does."""
     try:
         import_cupy()
-    except Exception:  # ImportError, or a broken CUDA library load
-        return False
-    return True
+    except Exception as exc:  # ImportError, or a broken CUDA library load
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def ptr(t: torch.Tensor | None) -> np.uint64:

@@ -20,6 +20,7 @@ DEVICES = ("auto", "cpu", "cuda")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 PREEMPTION_MODES = ("recompute", "swap")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "cuda")
+KERNEL_SELFTEST_MODES = ("on", "strict", "off")
 BLOCK_SIZES = (8, 16, 32)
 LOAD_FORMATS = ("auto", "dummy")
 
@@ -80,6 +81,12 @@ class EngineConfig:
         "auto", "attention implementation; auto = cuda kernels on GPU, batched cpu backend "
         "elsewhere; torch = the per-sequence reference",
         choices=ATTENTION_BACKENDS)
+    kernel_selftest: str = knob(
+        "on", "check the selected CUDA kernels against the torch reference at engine start "
+        "(model dtype, head size, GQA group, block size, KV dtype; decode, prefill, cache "
+        "write, fused ops, one CUDA graph replay); on = log an error and run a failing "
+        "component on a path that passed, strict = refuse to start, off = no check",
+        choices=KERNEL_SELFTEST_MODES)
     kv_cache_dtype: str = knob(
         "auto", "KV cache element type; auto = dtype, fp8_e4m3 = per-tensor scaled FP8 "
         "(half the bytes of bf16)", choices=KV_CACHE_DTYPES)

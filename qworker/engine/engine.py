@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from qworker.attention.kernel_cache import KernelRunner
 from qworker.engine.config import EngineConfig, served_model_name
 from qworker.engine.detokenizer import start_offsets
 from qworker.engine.engine_setup import EngineParts, build_engine_parts
@@ -37,8 +38,9 @@ logger = logging.getLogger(__name__)
 class Engine:
     """A continuously batched, paged-KV generator (the Python API of README.md)."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        parts: EngineParts = build_engine_parts(config)
+    def __init__(self, config: EngineConfig, kernels: KernelRunner | None = None) -> None:
+        # kernels: tests run the CUDA backend's kernels through the CPU emulator this way
+        parts: EngineParts = build_engine_parts(config, kernels)
         self.config = config
         self.tokenizer = parts.tokenizer
         self.model_name = served_model_name(config)
@@ -50,6 +52,7 @@ class Engine:
         self.sampler = parts.sampler
         self.outputs = parts.outputs
         self.max_concurrent_full_length_seqs = parts.max_concurrent_full_length_seqs
+        self.selftest = parts.selftest
         self._lock = threading.Lock()
         self._batch_lock = threading.Lock()  # held by ``inbox_batch``; the drain waits for it
         self._inbox: list[Request] = []
@@ -307,7 +310,9 @@ class Engine:
             max_model_len=self.max_model_len,
             max_num_seqs=sched.max_num_seqs,
             max_concurrent_full_length_seqs=self.max_concurrent_full_length_seqs,
-            attention_backend=self.runner.backend.name,
+            attention_backend=self.selftest.attention_backend or self.runner.backend.name,
+            kernel_selftest=self.selftest.state.value,
+            kernel_paths=dict(self.selftest.paths),
             kv_cache_dtype=self.config.kv_cache_dtype,
             cuda_graphs=self.runner.graphs is not None and self.runner.graphs.captured,
         )

@@ -4,7 +4,9 @@ Pool sizing: ``num_kv_blocks`` if given; else ``kv_cache_memory`` bytes (CPU def
 1 GiB); else on a GPU, ``gpu_memory_utilization`` x device memory minus the weights,
 the activation peak measured by a profiling forward at ``max_num_batched_tokens`` and
 the memory the decode CUDA graphs hold (measured by a trial capture). On a GPU the
-graphs are captured once the pool is final, unless ``enforce_eager``.
+graphs are captured once the pool is final, unless ``enforce_eager``. With the CUDA
+kernels selected, the kernel self-test (``qworker.engine.kernel_selftest``) checks them
+against the torch reference before the pool is sized, and one graph replay after capture.
 A memory-derived pool is capped at ``2 * max_num_seqs`` full-length sequences. A
 pool that cannot hold one ``max_model_len`` sequence is refused with the largest
 ``max_model_len`` that would fit.
@@ -23,10 +25,12 @@ import torch
 
 from qworker import cpu_kernels
 from qworker.attention.fp8 import kv_storage_dtype
+from qworker.attention.kernel_cache import KernelRunner
 from qworker.attention.paged_attention import describe_layers
 from qworker.attention.select import select_backend
 from qworker.engine.config import EngineConfig, check_config
 from qworker.engine.cuda_graphs import graph_batch_sizes
+from qworker.engine.kernel_selftest import SelftestReport, check_graphs, run_selftest
 from qworker.engine.kv_cache_manager import KVCacheManager
 from qworker.engine.model_runner import DEFAULT_CPU_KV_MEMORY, ModelRunner
 from qworker.engine.output_processor import OutputProcessor
@@ -53,6 +57,7 @@ class EngineParts:
     sampler: Sampler
     outputs: OutputProcessor
     max_concurrent_full_length_seqs: int
+    selftest: SelftestReport
 
 
 def resolve_device(name: str) -> torch.device:
@@ -96,8 +101,11 @@ def default_cpu_threads() -> int:
     return max(1, available_cores() - 1)
 
 
-def build_engine_parts(config: EngineConfig) -> EngineParts:
-    """Load the model and tokenizer, size the pool, and wire the engine's parts."""
+def build_engine_parts(config: EngineConfig, kernels: KernelRunner | None = None) -> EngineParts:
+    """Load the model and tokenizer, size the pool, and wire the engine's parts.
+
+    ``kernels`` (tests) runs the CUDA attention backend through another kernel runner, the
+    CPU emulator of ``tests/attention/emulator``, on any device (self-test included)."""
     from qworker.models.loader import load_model, load_tokenizer
 
     started = time.perf_counter()
@@ -122,12 +130,19 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
             f"{spec.max_position_embeddings}"
         )
     loaded.model.set_max_model_len(max_model_len)
-    backend = select_backend(config.attention_backend, device)
+    backend = select_backend(config.attention_backend, device, kernels)
     # every backend honours per-layer windows and soft-caps (docs/models.md)
     logger.info("attention: %s, all through the %s backend",
                 describe_layers(loaded.model), backend.name)
-    if device.type == "cuda":  # the kernel path has the small ops fused too; "torch" has not
-        fused_kernels.enable(fused_kernels.FusedKernels() if backend.name == "cuda" else None)
+    # the kernel path has the small ops fused too on a GPU; "torch" has not
+    fused = fused_kernels.FusedKernels() if device.type == "cuda" and backend.name == "cuda" \
+        else None
+    kv_dtype = kv_storage_dtype(config.kv_cache_dtype, spec.dtype)
+    backend, fused, selftest = run_selftest(
+        config.kernel_selftest, backend, fused, spec, loaded.model, kv_dtype,
+        config.block_size, max_model_len, device)
+    if device.type == "cuda":
+        fused_kernels.enable(fused)
     elif backend.name == "cpu" and spec.dtype == torch.float32:
         gemm_threads = _pack_cpu_linears(loaded.model, config.cpu_threads or available_cores())
         logger.info("CPU threads: %d for torch's ops, %s for the packed matmuls",
@@ -137,7 +152,6 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     blocks_per_seq = -(-max_model_len // bs)
     probe_blocks = -(-min(max_model_len, config.max_num_batched_tokens) // bs) + 1
     first_blocks = config.num_kv_blocks or probe_blocks
-    kv_dtype = kv_storage_dtype(config.kv_cache_dtype, spec.dtype)
     runner = ModelRunner(loaded.model, spec, device, bs, first_blocks, backend, kv_dtype,
                          max_num_seqs=config.max_num_seqs,
                          max_num_batched_tokens=config.max_num_batched_tokens,
@@ -161,6 +175,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         graph_bytes = runner.enable_cuda_graphs(graph_sizes, max_model_len)
         logger.info("CUDA graphs hold %.1f MiB (captured in %.1fs)", graph_bytes / 2**20,
                     runner.graphs.capture_seconds if runner.graphs else 0.0)
+        check_graphs(selftest, runner)
     logger.info("startup: model load %.1fs, pool sizing (profiling, kernel compilation, trial "
                 "capture) %.1fs, CUDA graph capture %.1fs", loaded_at - started,
                 sized_at - loaded_at, time.perf_counter() - sized_at)
@@ -179,7 +194,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         "KV pool: %d blocks of %d tokens (%.1f MiB) on %s; %d sequences of max_model_len=%d "
         "fit; attention backend %s; swap blocks %d",
         num_blocks, bs, num_blocks * runner.bytes_per_block() / 2**20, device, fit,
-        max_model_len, backend.name, num_swap,
+        max_model_len, selftest.attention_backend or backend.name, num_swap,
     )
     kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, num_swap)
     scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens,
@@ -195,6 +210,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         sampler=Sampler(device, tokenizer, spec.vocab_size, eos),
         outputs=OutputProcessor(tokenizer, eos, max_model_len),
         max_concurrent_full_length_seqs=fit,
+        selftest=selftest,
     )
 
 

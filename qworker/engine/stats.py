@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -15,7 +15,11 @@ class EngineStats:
     Counters (``prompt_tokens``, ``generation_tokens``, ``num_preemptions``,
     ``prefix_cache_queries``, ``prefix_cache_hits`` — both in tokens) only grow.
     ``stats["key"]`` and ``stats.get("key", default)`` keep working for code written
-    against the old dict; new code reads attributes. Reference: ``docs/configuration.md``.
+    against the old dict; new code reads attributes. ``attention_backend`` is what runs:
+    "cuda", "torch", "cpu", or "mixed" when the kernel self-test moved some component to
+    torch code; ``kernel_paths`` names the implementation of each component (decode,
+    prefill, cache_write, and on a GPU each fused op) and ``kernel_selftest`` how the
+    self-test ended. Reference: ``docs/configuration.md``.
     """
 
     num_kv_blocks: int = 0
@@ -39,6 +43,8 @@ class EngineStats:
     attention_backend: str = ""
     kv_cache_dtype: str = "auto"
     cuda_graphs: bool = False
+    kernel_selftest: str = "not_applicable"
+    kernel_paths: dict[str, str] = field(default_factory=dict)
 
     def __getitem__(self, key: str) -> Any:
         if key not in _FIELDS:

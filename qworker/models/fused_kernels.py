@@ -30,20 +30,35 @@ def instantiations() -> list[str]:
     return [f"{k}<{c}>" for k in KERNEL_NAMES for c in sorted(set(DTYPE_CODE.values()))]
 
 
-class FusedKernels:
-    """Launches the fused kernels for tensors on ``device`` (any device for an emulator)."""
+#: The ops ``qworker.models.ops`` may route here (``FusedKernels.ops``).
+OPS = ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary")
 
-    def __init__(self, kernels: Any | None = None, emulated: bool = False) -> None:
+
+class FusedKernels:
+    """Launches the fused kernels for tensors on ``device`` (any device for an emulator).
+
+    ``ops`` are the ops routed here (default all of :data:`OPS`); the engine's kernel
+    self-test leaves out one whose kernel failed it, which then runs its torch form."""
+
+    def __init__(self, kernels: Any | None = None, emulated: bool = False,
+                 ops: frozenset[str] | None = None) -> None:
         if kernels is None:
             from qworker.attention.kernel_cache import KERNELS
 
             kernels = KERNELS
         self._kernels = kernels
         self.emulated = emulated
+        self.ops = frozenset(OPS) if ops is None else frozenset(ops)
 
-    def handles(self, x: torch.Tensor) -> bool:
-        """Whether ``x`` (an activation) can go through these kernels."""
-        return (self.emulated or x.is_cuda) and x.dtype in DTYPE_CODE
+    @property
+    def kernel_runner(self) -> Any:
+        """The runner these kernels launch through."""
+        return self._kernels
+
+    def handles(self, x: torch.Tensor, op: str | None = None) -> bool:
+        """Whether ``x`` (an activation) can go through these kernels (for ``op``, if named)."""
+        return ((self.emulated or x.is_cuda) and x.dtype in DTYPE_CODE
+                and (op is None or op in self.ops))
 
     def _launch(self, name: str, x: torch.Tensor, grid: int, args: tuple[Any, ...]) -> None:
         kernel = self._kernels.get(SOURCE, f"{name}<{DTYPE_CODE[x.dtype]}>", x.device)
@@ -116,7 +131,12 @@ def enable(kernels: FusedKernels | None) -> None:
     _ACTIVE = kernels
 
 
-def active_for(x: torch.Tensor) -> FusedKernels | None:
-    """The enabled fused kernels if they handle ``x``, else None."""
+def active_for(x: torch.Tensor, op: str | None = None) -> FusedKernels | None:
+    """The enabled fused kernels if they handle ``x`` (for ``op``), else None."""
     fused = _ACTIVE
-    return fused if fused is not None and fused.handles(x) else None
+    return fused if fused is not None and fused.handles(x, op) else None
+
+
+def active() -> FusedKernels | None:
+    """The enabled fused kernels, or None."""
+    return _ACTIVE

@@ -37,7 +37,7 @@ def act_is_plain(x: torch.Tensor, residual: torch.Tensor) -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x / rms(x))`` computed in fp32 and cast back, as transformers' Llama."""
-    fused = active_for(x)
+    fused = active_for(x, "rms_norm")
     if fused is not None:
         return fused.rms_norm(x, weight, eps)
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
@@ -51,7 +51,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual), x + residual)``: the pre-norm block's residual step."""
-    fused = active_for(x)
+    fused = active_for(x, "add_rms_norm")
     if fused is not None and act_is_plain(x, residual):
         return fused.add_rms_norm(x, residual, weight, eps)
     summed = x + residual
@@ -61,7 +61,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 def gated_act(gate_up: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]
               ) -> torch.Tensor:
     """``act(gate) * up`` of the fused ``[.., 2 * inter]`` gate/up projection."""
-    fused = active_for(gate_up)
+    fused = active_for(gate_up, "silu_and_mul")
     if fused is not None and act is F.silu and gate_up.dim() == 2:
         return fused.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
@@ -78,7 +78,7 @@ def rotate_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     positions at the first layer and every later layer reuses them. The fused kernel
     reads the tables by position itself and rotates in place.
     """
-    fused = active_for(q)
+    fused = active_for(q, "rotary")
     if (fused is not None and q.stride(2) == 1 and k.stride(2) == 1
             and q.stride(1) == q.shape[2] and k.stride(1) == k.shape[2]
             and 2 * tables[0].shape[-1] == q.shape[2]):  # the kernel rotates whole heads

@@ -10,8 +10,10 @@ Engine gauges and counters follow ``engine.stats()`` (counters advance by the de
 since the last snapshot) and carry a ``model_name`` label (the served name), as vLLM's
 do; the latency histograms (time to first token, end to end, queue time, inter-token
 latency) come from each finished request's ``RequestOutput.metrics``. ``qworker_info``
-carries the version and model. Per-batch completion counters keep series for the
-``max_batches`` batches completed most recently (least recently used dropped), so a
+carries the version and model; ``qworker_kernel_path`` (one series per engine component
+and the implementation serving it) and ``qworker_kernel_selftest`` (the start-up kernel
+self-test's outcome) say which kernels actually run. Per-batch completion counters keep
+series for the ``max_batches`` batches completed most recently (least recently used dropped), so a
 worker that serves a million batches still exports a bounded number of series. One
 ``WorkerMetrics`` owns its own registry, so several can coexist in one process (tests).
 """
@@ -98,6 +100,16 @@ class WorkerMetrics:
                 "Mean time between two output tokens, one observation per request", m,
                 buckets=_ITL_BUCKETS, registry=r),
         }
+        self.kernel_path = Gauge(
+            "qworker_kernel_path",
+            "1 for each engine component (decode, prefill, cache_write, fused ops) and the "
+            "implementation serving it (tensor_core, legacy, sdpa, cuda, torch, cpu)",
+            ["model_name", "component", "path"], registry=r)
+        self.kernel_selftest = Gauge(
+            "qworker_kernel_selftest",
+            "1 for the outcome of the kernel self-test at engine start (passed, fell_back, "
+            "off, not_applicable)", ["model_name", "state"], registry=r)
+        self._kernel_state: tuple[Any, ...] | None = None
         self.info = Info("qworker", "qworker version and served model", registry=r)
         self.info.info({"version": __version__, "model_name": ""})
         self.model_name: str | None = None
@@ -184,12 +196,26 @@ class WorkerMetrics:
         self.requests_running.set(stats.num_requests_running)
         self.requests_waiting.set(stats.num_requests_waiting)
         self.kv_usage.set(stats.kv_cache_usage_perc)
+        self._update_kernels(stats)
         for key, attr in _COUNTER_STATS.items():
             value = float(getattr(stats, key, 0) or 0)
             delta = value - self._last.get(key, 0.0)
             if delta > 0:
                 getattr(self, attr).inc(delta)
             self._last[key] = value
+
+    def _update_kernels(self, stats: EngineStats) -> None:
+        """Series of ``qworker_kernel_path`` / ``_selftest`` (rewritten only on a change)."""
+        state = (self.model_name, stats.kernel_selftest, tuple(sorted(stats.kernel_paths.items())))
+        if state == self._kernel_state:
+            return
+        self._kernel_state = state
+        self.kernel_path.clear()
+        self.kernel_selftest.clear()
+        model = self.model_name or "unknown"
+        for component, path in stats.kernel_paths.items():
+            self.kernel_path.labels(model_name=model, component=component, path=path).set(1)
+        self.kernel_selftest.labels(model_name=model, state=stats.kernel_selftest).set(1)
 
     def observe_output(self, output: RequestOutput) -> None:
         """Record a finished request's TTFT, end-to-end, queue and inter-token latency."""

@@ -127,3 +127,20 @@ def test_every_metric_the_docs_name_is_exported() -> None:
             exported.add(f"{family.name}_total")
     assert len(documented) >= 25
     assert documented <= exported, sorted(documented - exported)
+
+
+def test_kernel_paths_and_selftest_state_are_exported_and_follow_changes() -> None:
+    from qworker.engine.stats import EngineStats
+
+    metrics = WorkerMetrics()
+    metrics.set_model("m")
+    paths = {"decode": "legacy", "prefill": "tensor_core", "cache_write": "cuda"}
+    metrics.update_engine(EngineStats(kernel_selftest="fell_back", kernel_paths=paths))
+    text = metrics.exposition().decode()
+    assert 'qworker_kernel_path{component="decode",model_name="m",path="legacy"} 1.0' in text
+    assert 'qworker_kernel_selftest{model_name="m",state="fell_back"} 1.0' in text
+    metrics.update_engine(EngineStats(kernel_selftest="passed",
+                                      kernel_paths={**paths, "decode": "tensor_core"}))
+    text = metrics.exposition().decode()
+    assert 'path="legacy"' not in text and 'state="fell_back"' not in text
+    assert 'qworker_kernel_path{component="decode",model_name="m",path="tensor_core"} 1.0' in text
