@@ -14,6 +14,9 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("qworker.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("qworker.models.llama", "Qwen3ForCausalLM"),
     "OPTForCausalLM": ("qworker.models.opt", "OPTForCausalLM"),
+    "MixtralForCausalLM": ("qworker.models.moe_models", "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": ("qworker.models.moe_models", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("qworker.models.moe_models", "Qwen3MoeForCausalLM"),
 }
 
 _MODEL_TYPES: dict[str, str] = {
@@ -22,6 +25,9 @@ _MODEL_TYPES: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "opt": "OPTForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 
