@@ -111,7 +111,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
             torch.set_num_threads(threads)
     cache = Path(config.model_cache) if config.model_cache else None
     loaded = load_model(config.model, dtype, device, cache_dir=cache,
-                        load_format=config.load_format)
+                        load_format=config.load_format, quantization=config.quantization)
     spec = loaded.spec
     tokenizer = load_tokenizer(config.tokenizer or loaded.source, cache_dir=cache)
     max_model_len = config.max_model_len or spec.max_position_embeddings
