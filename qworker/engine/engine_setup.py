@@ -33,6 +33,7 @@ from qworker.engine.sampler import Sampler
 from qworker.engine.scheduler import Scheduler
 from qworker.models import cpu_gemm, fused_kernels
 from qworker.models.base import ModelSpec
+from qworker.models.quant import weight_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +114,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     loaded = load_model(config.model, dtype, device, cache_dir=cache,
                         load_format=config.load_format, quantization=config.quantization)
     spec = loaded.spec
+    logger.info("weights: %.1f MiB as stored (quantization=%s)",
+                weight_bytes(loaded.model) / 2**20, config.quantization)
     tokenizer = load_tokenizer(config.tokenizer or loaded.source, cache_dir=cache)
     max_model_len = config.max_model_len or spec.max_position_embeddings
     if max_model_len > spec.max_position_embeddings:
