@@ -132,7 +132,7 @@ class ModelRunner:
         passes its own ``graph_factory``; otherwise graphs stay off (logged)."""
         if not self.model.graph_capturable(self.device):
             logger.info("CUDA graphs off: the model's MoE experts take the host-synced "
-                        "grouped loop on %s for %s (docs/models.md)", self.device,
+                        "grouped loop on %s for %s (docs/moe.md)", self.device,
                         self.spec.dtype)
             return 0
         plans = self._plan_factory(max_model_len)

@@ -11,7 +11,7 @@ The expert weights are stored fused, as transformers 5 holds them in memory:
 ``experts.gate_up_proj`` ``[E, 2 * inter, hidden]`` (gate rows first, then up) and
 ``experts.down_proj`` ``[E, hidden, inter]``. Checkpoints name them per expert
 (Mixtral's ``experts.N.w1/w3/w2``, Qwen's ``experts.N.gate_proj/up_proj/down_proj``)
-or fused; ``FusedExperts.load`` takes both (docs/models.md).
+or fused; ``FusedExperts.load`` takes both (docs/moe.md).
 """
 
 from __future__ import annotations

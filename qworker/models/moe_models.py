@@ -12,7 +12,7 @@ them:
   only with ``norm_topk_prob``. Qwen2-MoE adds a shared expert
   (``shared_expert_intermediate_size``) scaled by ``sigmoid(shared_expert_gate(x))``.
 
-Checkpoint names (docs/models.md): the per-expert tensors checkpoints carry
+Checkpoint names (docs/moe.md): the per-expert tensors checkpoints carry
 (``block_sparse_moe.experts.N.w1/w3/w2`` for Mixtral, ``mlp.experts.N.gate_proj/up_proj/
 down_proj`` for Qwen) and transformers 5's fused ``mlp.experts.gate_up_proj`` /
 ``mlp.experts.down_proj`` both load.

@@ -1,4 +1,4 @@
-"""FP8 checkpoints and on-load FP8 quantization (docs/models.md).
+"""FP8 checkpoints and on-load FP8 quantization (docs/quantization.md).
 
 ``plan_quantization`` reads a checkpoint's ``quantization_config`` under the
 ``quantization`` knob and returns the ``QuantizedLoad`` that prepares the model and

@@ -1,6 +1,6 @@
 """FP8 (E4M3) weight and activation arithmetic: scales, (de)quantization, fake quantization.
 
-Conventions (docs/models.md): a scale is the dequantization multiplier, ``x ~= x8 * s``
+Conventions (docs/quantization.md): a scale is the dequantization multiplier, ``x ~= x8 * s``
 (compressed-tensors' ``weight_scale`` and fine-grained FP8's ``weight_scale_inv`` both
 mean that). Quantizing divides by the scale, clamps to +-448 and rounds to nearest
 (torch's cast). Block scales tile a ``[N, K]`` weight in ``(bn, bk)`` blocks, the last

@@ -1,7 +1,7 @@
 """Which FP8 scheme a checkpoint's ``quantization_config`` (or the ``quantization`` knob)
 asks for, or a one-line ``ModelLoadError`` naming what is not supported.
 
-Supported (docs/models.md):
+Supported (docs/quantization.md):
 
 - ``quant_method: compressed-tensors`` with 8-bit float weights (``format``
   ``float-quantized`` or ``naive-quantized``): per-tensor, per-channel or block weight
