@@ -146,7 +146,7 @@ class Fp8FusedLinear(FusedLinear, _InputScale):
                 x8, sx = quantize_act_per_group(x2, self.scheme.group_size)
             elif self.input_scale is not None:
                 x8 = quantize_act_static(x2, self.input_scale)
-                sx = self.input_scale.to(torch.float32).expand(x2.shape[0], 1)
+                sx = self.input_scale.to(torch.float32).expand(x2.shape[0], 1).contiguous()
             else:
                 x8, sx = quantize_act_per_token(x2)
             if self.use_reference:
