@@ -100,6 +100,7 @@ class QuantizedLoad:
         self.kept: set[str] = set()  # checkpoint weight names loaded as FP8
         self.online: set[str] = set()  # checkpoint weight names quantized on load
         self.static_inputs: set[str] = set()  # checkpoint module prefixes with input scales
+        self._delivered: set[str] = set()  # kept names that arrived as FP8
 
     def prepare(self, model: nn.Module) -> None:
         """Swap the eligible layers of the meta-device ``model`` (see the module docstring)."""
@@ -194,6 +195,10 @@ class QuantizedLoad:
                 yield from self._quantized(name, tensor)
             else:
                 yield name, tensor
+        missed = sorted(self.kept - self._delivered)
+        if missed:  # an FP8 layer would hold a dense weight cast without its scale
+            raise ModelLoadError(f"FP8 layers got no FP8 weights under the checkpoint names "
+                                 f"{', '.join(missed[:4])}; load with quantization='none'")
         for prefix in waiting_w:
             raise ModelLoadError(f"checkpoint tensor {prefix}.weight is FP8 but the "
                                  f"checkpoint has no {prefix}{scale_suffix}")
@@ -226,6 +231,7 @@ class QuantizedLoad:
         name = f"{prefix}.weight"
         scales = self._canonical_scale(prefix + "." + self.scheme.scale_name, w8, scale)
         if name in self.kept:
+            self._delivered.add(name)
             yield name, w8
             yield f"{prefix}.weight_scale", scales
             return
@@ -235,6 +241,7 @@ class QuantizedLoad:
     def _quantized(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         w8, scales = quantize_weight_per_channel(tensor)
         if name in self.kept:
+            self._delivered.add(name)
             yield name, w8
             yield name.removesuffix(".weight") + ".weight_scale", scales
         else:
