@@ -9,8 +9,9 @@ teacher-forced per-token agreement with the baseline's output.
 
 Bytes: the weights as the GPU holds them (FP8 layers, scales included; embeddings and LM
 head in bf16), against bf16, for real model shapes, counted on the meta device (nothing
-allocated). Default model: the bundled SmolLM2-135M GGUF. Prints a table and one JSON
-line (also to ``--out``); never asserts.
+allocated); MoE experts counted in FP8, as a GPU with torch's scaled grouped kernel holds
+them (without it they stay bf16). Default model: the bundled SmolLM2-135M GGUF. Prints a
+table and one JSON line (also to ``--out``); never asserts.
 
     python scripts/bench_fp8_weights.py [--max-tokens 48] [--variants fp8,bf16,fp8-bf16]
     python scripts/bench_fp8_weights.py --memory-only
@@ -69,6 +70,7 @@ def weight_memory() -> dict[str, dict[str, float]]:
             quant = plan_quantization({}, mode, torch.bfloat16, meta)
             if quant is not None:
                 quant.keep_fp8 = True  # the GPU's layout, counted without a GPU
+                quant.fp8_experts = True  # where torch has the scaled grouped kernel
             sizes[mode] = weight_bytes(_build(arch, config, torch.bfloat16, meta, quant))
         out[name] = {"bf16_gib": sizes["none"] / 2**30, "fp8_gib": sizes["fp8"] / 2**30,
                      "ratio": sizes["fp8"] / sizes["none"]}

@@ -173,7 +173,7 @@ def _dummy(local: Path, dtype: torch.dtype, device: torch.device, quantization: 
             if param.dtype == torch.float8_e4m3fn:  # ~N(0, 0.02) once scaled (below)
                 param.copy_(torch.randn(param.shape, generator=gen, device=device)
                             .mul_(64).clamp_(-448, 448))
-            elif name.endswith(("weight_scale", "input_scale")):
+            elif name.endswith("_scale"):
                 param.fill_(0.02 / 64)
             elif name.endswith("norm.weight") or param.dim() == 1:
                 param.fill_(1.0 if name.endswith("weight") else 0.0)

@@ -109,26 +109,52 @@ def moe_graph_safe(device: torch.device, dtype: torch.dtype, hidden: int, inter:
         ExpertPath.GROUPED_MM
 
 
-def run_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                gate_up: torch.Tensor, down: torch.Tensor,
-                act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``out[t] = sum_j weights[t, j] * down[e] @ (act(gate[e] @ x[t]) * up[e] @ x[t])``
-    with ``e = ids[t, j]``; ``gate_up`` ``[E, 2I, H]``, ``down`` ``[E, H, I]``."""
-    num_tokens, hidden = x.shape
-    k = ids.shape[1]
-    num_experts, two_inter, _ = gate_up.shape
-    inter = two_inter // 2
+def sort_pairs(x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                         torch.Tensor]:
+    """``(flat ids [T*k], order [T*k], xs [T*k, H])``: the (token, slot) pairs sorted by
+    expert (stable) and the tokens' hidden states gathered in that order."""
     flat = ids.reshape(-1)
     order = torch.sort(flat, stable=True).indices
-    xs = x.index_select(0, order // k)
+    return flat, order, x.index_select(0, order // ids.shape[1])
+
+
+def expert_offsets(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Cumulative row counts per expert (int32 ``[E]``), computed on the device."""
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
+    counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
+    return counts.cumsum(0, dtype=torch.int32)
+
+
+def combine(ys: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, num_tokens: int,
+            dtype: torch.dtype) -> torch.Tensor:
+    """The weighted expert outputs ``ys`` (sorted rows) summed per token in fp32."""
+    k = weights.shape[1]
+    weighted = ys * weights.reshape(-1)[order].unsqueeze(-1)
+    unsorted = torch.empty_like(weighted).index_copy_(0, order, weighted)
+    summed = unsorted.view(num_tokens, k, ys.shape[-1]).sum(dim=1, dtype=torch.float32)
+    return summed.to(dtype)
+
+
+def run_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                gate_up: torch.Tensor, down: torch.Tensor,
+                act: Callable[[torch.Tensor], torch.Tensor],
+                act_quant: Callable[[torch.Tensor], torch.Tensor] | None = None
+                ) -> torch.Tensor:
+    """``out[t] = sum_j weights[t, j] * down[e] @ (act(gate[e] @ x[t]) * up[e] @ x[t])``
+    with ``e = ids[t, j]``; ``gate_up`` ``[E, 2I, H]``, ``down`` ``[E, H, I]``.
+    ``act_quant`` (the CPU's FP8 emulation) is applied to each matmul's input rows."""
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = gate_up.shape
+    inter = two_inter // 2
+    flat, order, xs = sort_pairs(x, ids)
+    quant = act_quant or (lambda t: t)
+    xs = quant(xs)
     path = expert_path(x.device, x.dtype, hidden, inter)
     if path is ExpertPath.GROUPED_MM:
-        counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
-        counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
-        offs = counts.cumsum(0, dtype=torch.int32)
+        offs = expert_offsets(flat, num_experts)
         h = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=offs)
         gate, up = h.split(inter, dim=-1)
-        ys = torch._grouped_mm(act(gate) * up, down.transpose(1, 2), offs=offs)
+        ys = torch._grouped_mm(quant(act(gate) * up), down.transpose(1, 2), offs=offs)
     else:
         counts_host = torch.bincount(flat, minlength=num_experts).tolist()
         ys = torch.empty_like(xs)
@@ -137,9 +163,6 @@ def run_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
             if count:
                 rows = xs[start : start + count]
                 gate, up = (rows @ gate_up[e].t()).split(inter, dim=-1)
-                torch.mm(act(gate) * up, down[e].t(), out=ys[start : start + count])
+                torch.mm(quant(act(gate) * up), down[e].t(), out=ys[start : start + count])
                 start += count
-    weighted = ys * weights.reshape(-1)[order].unsqueeze(-1)
-    unsorted = torch.empty_like(weighted).index_copy_(0, order, weighted)
-    summed = unsorted.view(num_tokens, k, hidden).sum(dim=1, dtype=torch.float32)
-    return summed.to(x.dtype)
+    return combine(ys, weights, order, num_tokens, x.dtype)

@@ -149,3 +149,78 @@ def dequant_mm(x: torch.Tensor, w8: torch.Tensor, sw: torch.Tensor,
         out = F.linear(x, w8.to(x.dtype)) * sw.to(x.dtype)
         return out if bias is None else out + bias
     return F.linear(x, dequantize_weight(w8, sw, x.dtype, block), bias)
+
+
+#: A row-wise scaled grouped matmul: (x8 [S, K], sx [S, 1], w8 [E, N, K], sw [E, N],
+#: offs [E] int32, out_dtype) -> [S, N].
+GroupedMm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                      torch.dtype], torch.Tensor]
+
+
+def reference_grouped_mm(x8: torch.Tensor, sx: torch.Tensor, w8: torch.Tensor,
+                         sw: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype
+                         ) -> torch.Tensor:
+    """What the row-wise scaled grouped kernel computes, in fp32 (reads ``offs`` on the
+    host: tests only)."""
+    x = x8.to(torch.float32) * sx
+    out = torch.zeros(x8.shape[0], w8.shape[1], dtype=torch.float32, device=x8.device)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            w = w8[e].to(torch.float32) * sw[e].unsqueeze(1)
+            out[start:end] = x[start:end] @ w.t()
+        start = end
+    return out.to(out_dtype)
+
+
+def _grouped_variants() -> list[tuple[str, GroupedMm]]:
+    variants: list[tuple[str, GroupedMm]] = []
+    if hasattr(torch, "_scaled_grouped_mm"):
+        variants.append(("torch._scaled_grouped_mm", lambda x8, sx, w8, sw, offs, dt:
+                         torch._scaled_grouped_mm(x8, w8.transpose(1, 2), sx.reshape(-1),
+                                                  sw, offs=offs, out_dtype=dt)))
+    recipe = getattr(F, "ScalingType", None)
+    if hasattr(F, "scaled_grouped_mm") and recipe is not None:
+        variants.append(("F.scaled_grouped_mm row-wise", lambda x8, sx, w8, sw, offs, dt:
+                         F.scaled_grouped_mm(x8, w8.transpose(1, 2), sx.reshape(-1),
+                                             recipe.RowWise, sw, recipe.RowWise, offs=offs,
+                                             output_dtype=dt)))
+    return variants
+
+
+_grouped_choice: dict[str, GroupedMm | None] = {}
+
+
+def grouped_kernel(device: torch.device) -> GroupedMm | None:
+    """The row-wise W8A8 grouped kernel for FP8 MoE experts on ``device``, or None
+    (probed once per device against ``reference_grouped_mm``)."""
+    key = str(device)
+    if key in _grouped_choice:
+        return _grouped_choice[key]
+    from qworker.models.quant.fp8 import quantize_act_per_token
+
+    chosen: GroupedMm | None = None
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0):
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        x = torch.randn(40, 256, generator=gen).to(device, torch.bfloat16)
+        w = torch.randn(4, 128, 256, generator=gen).to(device)
+        sw = w.abs().amax(dim=2) / 448
+        w8 = (w / sw.unsqueeze(2)).to(torch.float8_e4m3fn)
+        x8, sx = quantize_act_per_token(x)
+        offs = torch.tensor([16, 16, 32, 40], dtype=torch.int32, device=device)
+        want = reference_grouped_mm(x8, sx, w8, sw, offs, torch.float32)
+        for name, fn in _grouped_variants():
+            try:
+                got = fn(x8, sx, w8, sw, offs, torch.bfloat16).float()
+            except (RuntimeError, TypeError, ValueError) as exc:
+                logger.debug("scaled grouped mm (%s) refused: %s", name, exc)
+                continue
+            if torch.allclose(got, want, rtol=3e-2, atol=3e-2 * float(want.abs().max())):
+                chosen = fn
+                logger.info("FP8 MoE experts: %s", name)
+                break
+    if chosen is None:
+        logger.info("FP8 MoE experts on %s: no scaled grouped kernel; experts stay in the "
+                    "model dtype", device)
+    _grouped_choice[key] = chosen
+    return chosen

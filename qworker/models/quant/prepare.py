@@ -16,8 +16,9 @@ head) on the meta device:
 ``adapt`` then wraps the checkpoint stream: it pairs each FP8 weight with its scale
 tensor (buffering whichever comes first), and yields either the FP8 weight with a
 canonical ``weight_scale`` (fp32, ``[N]`` per channel or the block grid) or the weight
-dequantized to the model dtype; under online FP8 it quantizes dense weights. MoE expert
-weights are always dequantized (no FP8 grouped GEMM yet).
+dequantized to the model dtype; under online FP8 it quantizes dense weights. MoE experts
+arrive dense and quantize themselves as they load (``qworker.models.quant.fp8_experts``),
+where the GPU has a scaled grouped kernel (else they stay in the model dtype).
 """
 
 from __future__ import annotations
@@ -101,6 +102,8 @@ class QuantizedLoad:
         self.online: set[str] = set()  # checkpoint weight names quantized on load
         self.static_inputs: set[str] = set()  # checkpoint module prefixes with input scales
         self._delivered: set[str] = set()  # kept names that arrived as FP8
+        #: FP8 experts on the GPU: None = probe the kernel; tests and byte counts force it.
+        self.fp8_experts: bool | None = None
 
     def prepare(self, model: nn.Module) -> None:
         """Swap the eligible layers of the meta-device ``model`` (see the module docstring)."""
@@ -126,9 +129,50 @@ class QuantizedLoad:
             if new is not module:
                 _replace(model, name, new)
                 swapped += 1
-        logger.info("FP8 (%s, %s weights, %s activations): %d layers %s", scheme.source,
-                    scheme.weights.value, scheme.activations.value, swapped,
-                    "kept in FP8" if self.keep_fp8 else "emulated on the CPU")
+        experts = 0 if self.dequantize_only else self._prepare_experts(model)
+        logger.info("FP8 (%s, %s weights, %s activations): %d layers and %d expert blocks %s",
+                    scheme.source, scheme.weights.value, scheme.activations.value, swapped,
+                    experts, "kept in FP8" if self.keep_fp8 else "emulated on the CPU")
+
+    def _prepare_experts(self, model: nn.Module) -> int:
+        """FP8 experts where the weights are FP8 (or quantized on load) and the device runs
+        them: ``Fp8FusedExperts`` on a GPU with the scaled grouped kernel (else the experts
+        stay dense), ``ActQuantFusedExperts`` on the CPU under online FP8 only."""
+        from qworker.models.moe import FusedExperts
+        from qworker.models.quant.fp8_experts import ActQuantFusedExperts, Fp8FusedExperts
+
+        count = 0
+        for name, module in list(model.named_modules()):
+            if type(module) is not FusedExperts:
+                continue
+            prefixes = (f"{name}.", f"{name.replace('.mlp.', '.block_sparse_moe.')}.")
+            in_ckpt = any(n.startswith(prefixes) for n in self.fp8_names)
+            if not (self.scheme.online or in_ckpt):
+                continue
+            args = (module.num_experts, module.hidden, module.inter, module.act)
+            if self.keep_fp8:
+                aligned = module.hidden % 16 == 0 and module.inter % 16 == 0
+                if not (aligned and self.fp8_experts_supported()):
+                    continue
+                with torch.device("meta"):
+                    new: nn.Module = Fp8FusedExperts(*args)
+            elif self.scheme.online:
+                with torch.device("meta"):
+                    new = ActQuantFusedExperts(*args).to(self.dtype)
+            else:
+                continue
+            _replace(model, name, new)
+            count += 1
+        return count
+
+    def fp8_experts_supported(self) -> bool:
+        """Whether this device has the grouped FP8 kernel (``fp8_experts`` overrides)."""
+        if self.fp8_experts is not None:
+            return self.fp8_experts
+        from qworker.models.quant.fp8_mm import grouped_kernel
+
+        return self.device.type == "cuda" and self.dtype == torch.bfloat16 and \
+            grouped_kernel(self.device) is not None
 
     def _emulates_activations(self) -> bool:
         return self.scheme.activations is not ActQuant.NONE and self.scheme.source != "fp8"

@@ -16,6 +16,7 @@ from qworker.models.quant.fp8 import (
     quantize_act_per_token,
     quantize_weight_per_channel,
 )
+from qworker.models.quant.fp8_experts import Fp8FusedExperts
 from qworker.models.quant.fp8_linear import (
     ActQuantFusedLinear,
     ActQuantLinear,
@@ -65,13 +66,39 @@ def _fp8_model(model_dir: Path, mode: str, kind: MatmulKind) -> torch.nn.Module:
     quant = plan_quantization(raw, mode, torch.float32, torch.device("cpu"), files)
     assert quant is not None
     quant.keep_fp8 = True  # the GPU's layout
+    quant.fp8_experts = True
     config = AutoConfig.from_pretrained(str(model_dir))
     model = _build(raw["architectures"][0], config, torch.float32, torch.device("cpu"), quant)
     model.load_weights(quant.adapt(_iter_safetensors(files)))
     for m in model.modules():
         if isinstance(m, Fp8FusedLinear):
             m.kind, m.use_reference = kind, True
+        if isinstance(m, Fp8FusedExperts):
+            m.use_reference = True
     return model.eval()
+
+
+def test_fp8_moe_experts_up_to_the_grouped_kernel_match_the_cpu_form(tmp_path: Path) -> None:
+    """Online FP8 on a Qwen3-MoE: the GPU layout (FP8 experts with per-channel scales, the
+    grouped W8A8 call with the reference in place of the kernel) computes what the CPU
+    form (per-channel QDQ weights, per-token QDQ inputs) does, and neither is the dense
+    model."""
+    from qworker.models.loader import load_model
+    from qworker.models.quant.fp8_experts import ActQuantFusedExperts
+
+    model_dir = make_tiny_model_dir("qwen3_moe", tmp_path / "m", seed=46)
+    gpu_form = _fp8_model(model_dir, "fp8", MatmulKind.ROWWISE)
+    experts = gpu_form.model.layers[0].mlp.experts
+    assert isinstance(experts, Fp8FusedExperts) and experts.gate_up_proj.dtype == FP8
+    cpu_form = load_model(model_dir, torch.float32, "cpu", quantization="fp8").model
+    assert isinstance(cpu_form.model.layers[1].mlp.experts, ActQuantFusedExperts)
+    dense = load_model(model_dir, torch.float32, "cpu").model
+    prompt = random_prompts([23], 512)[0]
+    a = PagedRunner(gpu_form).step({0: prompt})[0]
+    b = PagedRunner(cpu_form).step({0: prompt})[0]
+    c = PagedRunner(dense).step({0: prompt})[0]
+    assert float((a - b).abs().max()) < 1e-3
+    assert float((b - c).abs().max()) > 1e-3
 
 
 @pytest.mark.parametrize(
@@ -183,6 +210,28 @@ def test_scaled_mm_kernels_match_the_dequantized_reference() -> None:
         got = kernel(x8, sx, w8, grid, torch.bfloat16).float()
         want = reference_mm(x8, sx, w8, grid, (128, 128), None, torch.float32)
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+
+
+@pytest.mark.gpu
+def test_scaled_grouped_kernel_matches_the_reference_when_torch_has_one() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from qworker.models.quant.fp8_mm import grouped_kernel, reference_grouped_mm
+
+    dev = torch.device("cuda")
+    kernel = grouped_kernel(dev)
+    if kernel is None:
+        pytest.skip("no scaled grouped kernel in this torch: experts stay bf16 (logged)")
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    x = torch.randn(70, 512, generator=gen).to(dev, torch.bfloat16)
+    w = torch.randn(8, 256, 512, generator=gen).to(dev) * 0.05
+    sw = w.abs().amax(dim=2) / 448
+    w8 = (w / sw.unsqueeze(2)).to(FP8)
+    x8, sx = quantize_act_per_token(x)
+    offs = torch.tensor([0, 9, 9, 30, 31, 50, 64, 70], dtype=torch.int32, device=dev)
+    got = kernel(x8, sx, w8, sw, offs, torch.bfloat16).float()
+    want = reference_grouped_mm(x8, sx, w8, sw, offs, torch.float32)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
 
 
 @pytest.mark.gpu
