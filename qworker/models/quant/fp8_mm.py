@@ -134,11 +134,35 @@ def blockwise_kernel(device: torch.device) -> BlockMm | None:
     return chosen
 
 
+_rowwise_ok: dict[str, bool] = {}
+
+
 def rowwise_available(device: torch.device, out_dtype: torch.dtype) -> bool:
-    """Whether ``torch._scaled_mm`` row-wise W8A8 serves ``out_dtype`` on ``device``
-    (sm89+ and a bf16 output: the kernel's row-wise mode)."""
-    return (device.type == "cuda" and out_dtype == torch.bfloat16
-            and torch.cuda.get_device_capability(device) >= (8, 9))
+    """Whether ``torch._scaled_mm`` row-wise W8A8 (with a bias) serves ``out_dtype`` on
+    ``device``: sm89+, a bf16 output, and a probe against ``reference_mm`` (once)."""
+    if not (device.type == "cuda" and out_dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(device) >= (8, 9)):
+        return False
+    key = str(device)
+    if key not in _rowwise_ok:
+        from qworker.models.quant.fp8 import quantize_act_per_token, quantize_weight_per_channel
+
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        x = torch.randn(24, 256, generator=gen).to(device, torch.bfloat16)
+        w8, sw = quantize_weight_per_channel(torch.randn(128, 256, generator=gen).to(device))
+        bias = torch.randn(128, generator=gen).to(device, torch.bfloat16)
+        x8, sx = quantize_act_per_token(x)
+        want = reference_mm(x8, sx, w8, sw, None, bias, torch.float32)
+        try:
+            got = rowwise_mm(x8, sx, w8, sw, bias, torch.bfloat16).float()
+            ok = bool(torch.allclose(got, want, rtol=3e-2, atol=3e-2 * float(want.abs().max())))
+        except (RuntimeError, TypeError, ValueError) as exc:
+            logger.info("torch._scaled_mm row-wise unavailable: %s", exc)
+            ok = False
+        logger.info("FP8 row-wise matmul on %s: %s", device,
+                    "torch._scaled_mm" if ok else "dequantize (W8A16)")
+        _rowwise_ok[key] = ok
+    return _rowwise_ok[key]
 
 
 def dequant_mm(x: torch.Tensor, w8: torch.Tensor, sw: torch.Tensor,
