@@ -1,4 +1,4 @@
-"""Fixed-length throughput: Llama-3.1-8B shape, bf16, random weights, 1000 in / 1000 out.
+"""Fixed-length throughput: Llama-3.1-8B shape (or Qwen3-30B-A3B), bf16 or FP8, random weights.
 
 Comparable with published figures for the same workload (TensorRT-LLM: 17.7k output tok/s on
 one H200 in FP8; vLLM: about 6k on an H100 in bf16 at 256/256). By default only a config.json
@@ -9,6 +9,11 @@ directory that holds weights instead. Requests are queued
 have passed or all finish. Reported: output tokens/s (every generated token over the
 elapsed time), requests/s (finished requests over the elapsed time), and the counts.
 
+``--shape qwen3-30b-a3b`` runs the Qwen3-30B-A3B MoE shape instead (128 experts, top-8;
+dummy weights); ``--quantization fp8`` quantizes on load; ``--compare-fp8`` runs the same
+workload with ``quantization=none`` then ``fp8`` in one run and reports the output tok/s
+and weight-byte ratios (the weight bytes count what the engine holds; on the CPU, packed
+matmul weights are not counted).
 ``--make-model DIR`` only writes a model with real (random) weight files;
 ``--dry-run`` uses a tiny model on the CPU to prove the plumbing. Never asserts on speed.
 """
@@ -42,6 +47,39 @@ LLAMA_31_8B: dict[str, Any] = {
     "max_position_embeddings": 8192,
     "rope_theta": 500000.0,
     "rms_norm_eps": 1e-5,
+}
+QWEN3_30B_A3B: dict[str, Any] = {  # Qwen/Qwen3-30B-A3B's config.json
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "max_position_embeddings": 40960,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+}
+TINY_MOE: dict[str, Any] = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+    "max_position_embeddings": 512,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-6,
 }
 TINY: dict[str, Any] = {
     "vocab_size": 512,
@@ -113,13 +151,17 @@ def make_model(folder: Path, shape: dict[str, Any], dtype: torch.dtype, seed: in
     return folder
 
 
-def write_config(folder: Path, shape: dict[str, Any], dtype: torch.dtype) -> Path:
-    """Only the config.json of the shape: the engine makes the weights on the device."""
-    from transformers import LlamaConfig
+def write_config(folder: Path, shape: dict[str, Any], dtype: torch.dtype,
+                 moe: bool = False) -> Path:
+    """Only the config.json of the shape (a Llama, or with ``moe`` a Qwen3-MoE): the engine
+    makes the weights on the device."""
+    import transformers
 
     folder.mkdir(parents=True, exist_ok=True)
-    config = LlamaConfig(**shape, tie_word_embeddings=False, torch_dtype=str(dtype).split(".")[1])
-    config.architectures = ["LlamaForCausalLM"]
+    cls, arch = ((transformers.Qwen3MoeConfig, "Qwen3MoeForCausalLM") if moe
+                 else (transformers.LlamaConfig, "LlamaForCausalLM"))
+    config = cls(**shape, tie_word_embeddings=False, torch_dtype=str(dtype).split(".")[1])
+    config.architectures = [arch]
     config.save_pretrained(str(folder))
     return folder
 
@@ -153,35 +195,17 @@ def run(
     }
 
 
-def main() -> None:
-    """Build or reuse the model, run the fixed-length workload, print table and JSON."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, help="model dir (written there if absent)")
-    parser.add_argument("--make-model", type=Path, help="only write the model into this dir")
-    parser.add_argument("--dry-run", action="store_true", help="tiny model on the CPU")
-    parser.add_argument("--seconds", type=float, default=90.0)
-    parser.add_argument("--input-len", type=int, default=1000)
-    parser.add_argument("--output-len", type=int, default=1000)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--waves", type=int, default=4, help="queued requests = waves x seqs")
-    parser.add_argument("--out", type=Path, help="write the JSON report here too")
-    args = parser.parse_args()
-
-    shape, dtype = (TINY, torch.float32) if args.dry_run else (LLAMA_31_8B, torch.bfloat16)
-    if args.make_model is not None:
-        if not (args.make_model / "config.json").exists():
-            make_model(args.make_model, shape, dtype)
-        print(f"model written to {args.make_model}")
-        return
-    if args.dry_run:
-        args.input_len, args.output_len = min(args.input_len, 16), min(args.output_len, 16)
-        args.max_num_seqs, args.seconds = min(args.max_num_seqs, 4), min(args.seconds, 20.0)
+def bench_once(args: argparse.Namespace, shape: dict[str, Any], quantization: str
+               ) -> dict[str, Any]:
+    """One engine over the workload (``quantization``: the engine knob); its report."""
+    moe = args.shape == "qwen3-30b-a3b"
+    dtype = torch.float32 if args.dry_run else torch.bfloat16
     t0 = time.perf_counter()
     load_format = "auto"
     folder = args.model
     if folder is None or not (folder / "config.json").exists():
-        folder = write_config(folder or Path(tempfile.mkdtemp(prefix="qworker_llama8b_")),
-                              shape, dtype)
+        folder = write_config(folder or Path(tempfile.mkdtemp(prefix="qworker_fixed_")),
+                              shape, dtype, moe=moe)
         load_format = "dummy"
     made = time.perf_counter() - t0
     device = "cpu" if args.dry_run else "cuda"
@@ -194,10 +218,14 @@ def main() -> None:
         enable_prefix_caching=False,
         kv_cache_memory=(256 << 20) if args.dry_run else None,
         load_format=load_format,
+        quantization=quantization,
     )
     t0 = time.perf_counter()
     engine = Engine(config)
     loaded = time.perf_counter() - t0
+    from qworker.models.quant import weight_bytes
+
+    weights = weight_bytes(engine.runner.model)
     rng = random.Random(0)
     vocab = shape["vocab_size"]
     run(engine, [[rng.randrange(vocab) for _ in range(16)]], 8, 60.0)  # warm-up: kernels, cuda init
@@ -207,10 +235,14 @@ def main() -> None:
     ]
     result = run(engine, prompts, args.output_len, args.seconds)
     stats = engine.stats()
+    names = {"llama-3.1-8b": "Llama-3.1-8B shape", "qwen3-30b-a3b": "Qwen3-30B-A3B shape"}
     report = {
         "workload": f"{args.input_len} in / {args.output_len} out, random token ids, greedy",
-        "model": "Llama-3.1-8B shape, random weights" if not args.dry_run else "tiny llama",
+        "model": (f"{names[args.shape]}, random weights" if not args.dry_run
+                  else f"tiny {'qwen3-moe' if moe else 'llama'}"),
         "dtype": config.dtype,
+        "quantization": quantization,
+        "weight_bytes": weights,
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "attention_backend": stats.attention_backend,
         "kernel_selftest": stats.kernel_selftest,
@@ -224,10 +256,65 @@ def main() -> None:
         "engine_load_s": loaded,
         **result,
     }
-    print(f"{'output tok/s':>12} {'req/s':>7} {'finished':>8} {'generated':>9} {'elapsed s':>9}")
-    print(f"{result['output_tok_per_s']:>12.0f} {result['req_per_s']:>7.2f} "
-          f"{result['requests_finished']:>8} {result['generated_tokens']:>9} "
-          f"{result['elapsed_s']:>9.1f}")  # fmt: skip
+    del engine
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return report
+
+
+def main() -> None:
+    """Build or reuse the model, run the fixed-length workload, print table and JSON."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, help="model dir (written there if absent)")
+    parser.add_argument("--make-model", type=Path, help="only write the model into this dir")
+    parser.add_argument("--dry-run", action="store_true", help="tiny model on the CPU")
+    parser.add_argument("--shape", choices=["llama-3.1-8b", "qwen3-30b-a3b"],
+                        default="llama-3.1-8b", help="the model shape (dummy weights)")
+    parser.add_argument("--quantization", choices=["auto", "fp8", "none"], default="auto",
+                        help="the engine's quantization knob")
+    parser.add_argument("--compare-fp8", action="store_true",
+                        help="run quantization=none then fp8 in this run; report the ratio")
+    parser.add_argument("--seconds", type=float, default=90.0)
+    parser.add_argument("--input-len", type=int, default=1000)
+    parser.add_argument("--output-len", type=int, default=1000)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--waves", type=int, default=4, help="queued requests = waves x seqs")
+    parser.add_argument("--out", type=Path, help="write the JSON report here too")
+    args = parser.parse_args()
+
+    moe = args.shape == "qwen3-30b-a3b"
+    if args.dry_run:
+        shape, dtype = (TINY_MOE if moe else TINY), torch.float32
+    else:
+        shape, dtype = (QWEN3_30B_A3B if moe else LLAMA_31_8B), torch.bfloat16
+    if args.make_model is not None:
+        if moe:
+            raise SystemExit("--make-model writes Llama shapes only; MoE shapes run on dummy "
+                             "weights")
+        if not (args.make_model / "config.json").exists():
+            make_model(args.make_model, shape, dtype)
+        print(f"model written to {args.make_model}")
+        return
+    if args.dry_run:
+        args.input_len, args.output_len = min(args.input_len, 16), min(args.output_len, 16)
+        args.max_num_seqs, args.seconds = min(args.max_num_seqs, 4), min(args.seconds, 20.0)
+    modes = ["none", "fp8"] if args.compare_fp8 else [args.quantization]
+    reports = [bench_once(args, shape, mode) for mode in modes]
+    print(f"{'quantization':>12} {'output tok/s':>12} {'req/s':>7} {'finished':>8} "
+          f"{'generated':>9} {'elapsed s':>9} {'weights GiB':>11}")
+    for r in reports:
+        print(f"{r['quantization']:>12} {r['output_tok_per_s']:>12.0f} {r['req_per_s']:>7.2f} "
+              f"{r['requests_finished']:>8} {r['generated_tokens']:>9} "
+              f"{r['elapsed_s']:>9.1f} {r['weight_bytes'] / 2**30:>11.2f}")  # fmt: skip
+    report = reports[0] if len(reports) == 1 else {
+        **reports[1], "baseline": reports[0],
+        "fp8_over_bf16_output_tok_per_s": reports[1]["output_tok_per_s"]
+        / reports[0]["output_tok_per_s"],
+        "fp8_over_bf16_weight_bytes": reports[1]["weight_bytes"] / reports[0]["weight_bytes"],
+    }
+    if len(reports) == 2:
+        print(f"fp8 / bf16: output tok/s {report['fp8_over_bf16_output_tok_per_s']:.2f}x, "
+              f"weight bytes {report['fp8_over_bf16_weight_bytes']:.3f}")
     line = json.dumps(report)
     print(line)
     if args.out:

@@ -23,6 +23,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu", "cuda")
 KERNEL_SELFTEST_MODES = ("on", "strict", "off")
 BLOCK_SIZES = (8, 16, 32)
 LOAD_FORMATS = ("auto", "dummy")
+QUANTIZATIONS = ("auto", "fp8", "none")
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +105,12 @@ class EngineConfig:
         None, "the model name results report; default: the model dir's or hub id's last part")
     load_format: str = knob("auto", "how weights are read; dummy = only config.json, random "
                             "weights made on the device (benchmarks)", choices=LOAD_FORMATS)
+    quantization: str = knob(
+        "auto", "weight quantization; auto = the checkpoint's quantization_config (FP8: "
+        "compressed-tensors float8 or fine-grained fp8), fp8 = quantize a bf16/fp16 "
+        "checkpoint to FP8 on load (per-channel weight scales, dynamic per-token "
+        "activations), none = run unquantized (FP8 weights dequantized on load)",
+        choices=QUANTIZATIONS)
     seed: int = knob(0, "engine seed (unseeded sampling draws from it)")
     tokenizer: str | None = knob(None, "tokenizer dir or hub id; default: the model's")
     model_cache: str | None = knob(

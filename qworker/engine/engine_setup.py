@@ -38,6 +38,7 @@ from qworker.engine.sampler import Sampler
 from qworker.engine.scheduler import Scheduler
 from qworker.models import cpu_gemm, fused_kernels
 from qworker.models.base import ModelSpec
+from qworker.models.quant import weight_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -120,8 +121,10 @@ def build_engine_parts(config: EngineConfig, kernels: KernelRunner | None = None
             torch.set_num_threads(threads)
     cache = Path(config.model_cache) if config.model_cache else None
     loaded = load_model(config.model, dtype, device, cache_dir=cache,
-                        load_format=config.load_format)
+                        load_format=config.load_format, quantization=config.quantization)
     spec = loaded.spec
+    logger.info("weights: %.1f MiB as stored (quantization=%s)",
+                weight_bytes(loaded.model) / 2**20, config.quantization)
     tokenizer = load_tokenizer(config.tokenizer or loaded.source, cache_dir=cache)
     max_model_len = config.max_model_len or spec.max_position_embeddings
     if max_model_len > spec.max_position_embeddings:

@@ -130,6 +130,11 @@ class ModelRunner:
         final: graphs hold its addresses); returns the device bytes they hold. Needs a
         backend with fixed decode plans (``plan_decode``: the CUDA kernels) unless a test
         passes its own ``graph_factory``; otherwise graphs stay off (logged)."""
+        if not self.model.graph_capturable(self.device):
+            logger.info("CUDA graphs off: the model's MoE experts take the host-synced "
+                        "grouped loop on %s for %s (docs/moe.md)", self.device,
+                        self.spec.dtype)
+            return 0
         plans = self._plan_factory(max_model_len)
         if plans is None and graph_factory is None:
             logger.info("CUDA graphs off: attention backend %s cannot be captured",

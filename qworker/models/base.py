@@ -44,6 +44,11 @@ class CausalLM(nn.Module, ABC):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Run every layer over the step's tokens; return final hidden states."""
 
+    def graph_capturable(self, device: torch.device) -> bool:
+        """Whether the forward runs on ``device`` without host syncs, so CUDA graphs can
+        capture it (models with a host-synced fallback path override this)."""
+        return True
+
     @abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Project hidden states ``[n, hidden]`` to fp32 logits ``[n, vocab_size]``."""

@@ -9,7 +9,7 @@ each (``qkv_proj``, ``gate_up_proj``) for speed.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -26,9 +26,23 @@ from qworker.models.weights import StackedRule, check_all_loaded, load_weights
 #: layer that needs them (``qworker.models.ops.rotate_qk``).
 RopeStep = tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], list[torch.Tensor]]
 
+#: Builds one layer's feed-forward block from the config and the layer index.
+MlpBuilder = Callable[[Any, int], nn.Module]
+
 
 def _head_dim(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _attention_biases(config: Any) -> tuple[bool, bool]:
+    """(q/k/v bias, o_proj bias): Qwen2 always biases q/k/v (Qwen2-MoE per ``qkv_bias``)
+    and never o_proj; the others follow ``attention_bias``."""
+    attention_bias = bool(getattr(config, "attention_bias", False))
+    if config.model_type == "qwen2":
+        return True, False
+    if config.model_type == "qwen2_moe":
+        return bool(getattr(config, "qkv_bias", True)), False
+    return attention_bias, attention_bias
 
 
 def layer_sliding_windows(config: Any) -> list[int | None]:
@@ -57,13 +71,12 @@ class LlamaAttention(nn.Module):
         self.head_dim = _head_dim(config)
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+        bias, o_bias = _attention_biases(config)
         self.qkv_proj = FusedLinear(
             config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=bias
         )
-        o_bias = bool(getattr(config, "attention_bias", False)) and config.model_type != "qwen2"
         self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)
-        if config.model_type == "qwen3":
+        if config.model_type in ("qwen3", "qwen3_moe"):
             self.q_norm: RMSNorm | None = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm: RMSNorm | None = RMSNorm(self.head_dim, config.rms_norm_eps)
         else:
@@ -115,10 +128,11 @@ class LlamaDecoderLayer(nn.Module):
     next norm (``add_rms_norm``), so each layer costs two fused norm steps.
     """
 
-    def __init__(self, config: Any, layer_idx: int, sliding_window: int | None) -> None:
+    def __init__(self, config: Any, layer_idx: int, sliding_window: int | None,
+                 mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx, sliding_window)
-        self.mlp = LlamaMLP(config)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -139,9 +153,11 @@ class LlamaModel(nn.Module):
     """Embeddings, decoder layers and the final norm (transformers' ``model.`` prefix).
 
     ``partial_rotary``: RoPE may cover only part of each head (Phi-3/4's
-    ``partial_rotary_factor``)."""
+    ``partial_rotary_factor``); ``build_mlp(config, layer_idx)`` replaces the dense MLP
+    of a layer (the MoE decoders)."""
 
-    def __init__(self, config: Any, partial_rotary: bool = False) -> None:
+    def __init__(self, config: Any, partial_rotary: bool = False,
+                 build_mlp: MlpBuilder | None = None) -> None:
         super().__init__()
         self.config = config
         self.partial_rotary = partial_rotary
@@ -149,7 +165,8 @@ class LlamaModel(nn.Module):
         self.rotary = self.build_rotary(config.max_position_embeddings)
         windows = layer_sliding_windows(config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, windows[i]) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, windows[i], build_mlp(config, i) if build_mlp else None)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -196,7 +213,7 @@ class LlamaForCausalLM(CausalLM):
     def __init__(self, config: Any, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.partial_rotary)
+        self.model = LlamaModel(config, self.partial_rotary, self.build_mlp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
@@ -215,6 +232,10 @@ class LlamaForCausalLM(CausalLM):
             bos_token_id=getattr(config, "bos_token_id", None),
             sliding_window=uniform_window,
         )
+
+    def build_mlp(self, config: Any, layer_idx: int) -> nn.Module:
+        """Layer ``layer_idx``'s feed-forward block (the MoE models override it)."""
+        return LlamaMLP(config)
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with the LM head when the config ties them."""

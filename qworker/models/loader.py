@@ -22,6 +22,7 @@ import torch
 
 from qworker.errors import ModelLoadError
 from qworker.models.base import CausalLM, ModelSpec
+from qworker.models.quant import QuantizedLoad, plan_quantization
 from qworker.models.registry import SAFETENSORS_ONLY, model_class, resolve_architecture
 from qworker.models.sources import PICKLE_SUFFIXES, default_cache_dir, resolve_source
 
@@ -87,6 +88,7 @@ def load_model(
     cache_dir: Path | None = None,
     s3_endpoint_url: str | None = None,
     load_format: str = "auto",
+    quantization: str = "auto",
 ) -> LoadedModel:
     """Load the model at ``path`` with weights in ``dtype`` on ``device``.
 
@@ -96,12 +98,13 @@ def load_model(
     (listing the supported ones), a missing config or missing/pickled weights.
     ``load_format="dummy"`` reads only config.json and fills every weight with seeded
     random values on ``device`` (benchmarks of a model's shape; nothing is read or
-    written besides the config).
+    written besides the config). ``quantization``: ``auto`` (the checkpoint's
+    ``quantization_config``), ``fp8`` (FP8 on load) or ``none`` (``qworker.models.quant``).
     """
     device = torch.device(device)
     local = resolve_source(path, cache_dir, s3_endpoint_url)
     if load_format == "dummy":
-        return _dummy(local, dtype, device)
+        return _dummy(local, dtype, device, quantization)
     if load_format != "auto":
         raise ModelLoadError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     gguf = _find_gguf(local)
@@ -118,8 +121,10 @@ def load_model(
         if architecture in SAFETENSORS_ONLY:
             raise ModelLoadError(f"{architecture} is not supported from GGUF ({gguf.name}); "
                                  "load its safetensors checkpoint")
-        model = _build(architecture, config, dtype, device)
-        model.load_weights(load_gguf_tensors(gguf, config, raw_config, dtype))
+        quant = plan_quantization({}, quantization, dtype, device)
+        model = _build(architecture, config, dtype, device, quant)
+        tensors = load_gguf_tensors(gguf, config, raw_config, dtype)
+        model.load_weights(quant.adapt(tensors) if quant else tensors)
         source = gguf
         gguf_name: str | None = gguf.name
     else:
@@ -127,8 +132,10 @@ def load_model(
         architecture = resolve_architecture(raw)
         files = _safetensors_files(local)
         config = _parse_config(local, raw)
-        model = _build(architecture, config, dtype, device)
-        model.load_weights(_iter_safetensors(files))
+        quant = plan_quantization(raw, quantization, dtype, device, files)
+        model = _build(architecture, config, dtype, device, quant)
+        stream = _iter_safetensors(files)
+        model.load_weights(quant.adapt(stream) if quant else stream)
         source = local
         gguf_name = None
     model.eval()
@@ -148,16 +155,23 @@ def load_model(
     )
 
 
-def _dummy(local: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def _dummy(local: Path, dtype: torch.dtype, device: torch.device, quantization: str
+           ) -> LoadedModel:
     """The model of ``local/config.json`` with random weights made on ``device``."""
     raw = _read_json(local / "config.json", what="config.json")
     architecture = resolve_architecture(raw)
     config = _parse_config(local, raw)
-    model = _build(architecture, config, dtype, device)
+    model = _build(architecture, config, dtype, device,
+                   plan_quantization(raw, quantization, dtype, device))
     gen = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight") or param.dim() == 1:
+            if param.dtype == torch.float8_e4m3fn:  # ~N(0, 0.02) once scaled (below)
+                param.copy_(torch.randn(param.shape, generator=gen, device=device)
+                            .mul_(64).clamp_(-448, 448))
+            elif name.endswith("_scale"):
+                param.fill_(0.02 / 64)
+            elif name.endswith("norm.weight") or param.dim() == 1:
                 param.fill_(1.0 if name.endswith("weight") else 0.0)
             else:
                 param.normal_(0.0, 0.02, generator=gen)
@@ -187,11 +201,15 @@ def _parse_config(local: Path, raw: dict[str, Any]) -> Any:
         raise ModelLoadError(f"cannot parse {local / 'config.json'}: {exc}") from exc
 
 
-def _build(architecture: str, config: Any, dtype: torch.dtype, device: torch.device) -> CausalLM:
+def _build(architecture: str, config: Any, dtype: torch.dtype, device: torch.device,
+           quant: QuantizedLoad | None = None) -> CausalLM:
     cls = model_class(architecture)
     with torch.device("meta"):
         model = cls(config, dtype)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = model.to(dtype=dtype)
+    if quant is not None:
+        quant.prepare(model)  # FP8 layers replace dense ones before memory is allocated
+    model = model.to_empty(device=device)
     model.tie_weights()  # to_empty replaces parameters, which unties shared ones
     model.requires_grad_(False)
     model.spec.architecture = architecture

@@ -18,13 +18,17 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Gemma2ForCausalLM": ("qworker.models.gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("qworker.models.gemma", "Gemma3ForCausalLM"),
     "Gemma3ForConditionalGeneration": ("qworker.models.gemma", "Gemma3ForConditionalGeneration"),
+    "MixtralForCausalLM": ("qworker.models.moe_models", "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": ("qworker.models.moe_models", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("qworker.models.moe_models", "Qwen3MoeForCausalLM"),
 }
 
 #: Architectures loaded from safetensors only: their GGUF conversions (norm offsets, fused
-#: tensors) are not tested here, so a GGUF of them is refused rather than risked.
-SAFETENSORS_ONLY = frozenset(
-    {"Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"}
-)
+#: tensors, expert layouts) are not tested here, so a GGUF of them is refused rather than risked.
+SAFETENSORS_ONLY = frozenset({
+    "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
+    "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+})
 
 _MODEL_TYPES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
@@ -36,6 +40,9 @@ _MODEL_TYPES: dict[str, str] = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 
