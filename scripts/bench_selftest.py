@@ -34,14 +34,17 @@ from qworker.testing.kernel_faults import FaultyKernels
 
 BF16, FP16 = torch.bfloat16, torch.float16
 GPU_SHAPES = [
-    ("8B bf16", SelftestShape(BF16, BF16, 128, 32, 8, 16, (None,), 8192)),
-    ("8B bf16, FP8 KV", SelftestShape(BF16, FP8_DTYPE, 128, 32, 8, 16, (None,), 8192)),
-    ("fp16 head 64 GQA 7, window 4096", SelftestShape(FP16, FP16, 64, 14, 2, 32, (None, 4096),
-                                                      8192)),
+    ("8B bf16", SelftestShape(BF16, BF16, 128, 32, 8, 16, ((None, None),), 8192)),
+    ("8B bf16, FP8 KV", SelftestShape(BF16, FP8_DTYPE, 128, 32, 8, 16, ((None, None),), 8192)),
+    ("fp16 head 64 GQA 7, window 4096", SelftestShape(FP16, FP16, 64, 14, 2, 32,
+                                                      ((None, None), (4096, None)), 8192)),
+    ("Gemma-2-27B bf16, windows and soft-cap 50",
+     SelftestShape(BF16, BF16, 128, 32, 16, 16, ((4096, 50.0), (None, 50.0)), 8192)),
 ]
 DRY_SHAPES = [
-    ("bf16 head 64 GQA 4", SelftestShape(BF16, BF16, 64, 4, 1, 16, (None,), 512)),
-    ("fp16 head 80 GQA 4, FP8 KV", SelftestShape(FP16, FP8_DTYPE, 80, 4, 1, 8, (None,), 512)),
+    ("bf16 head 64 GQA 4", SelftestShape(BF16, BF16, 64, 4, 1, 16, ((None, None),), 512)),
+    ("fp16 head 80 GQA 4, FP8 KV",
+     SelftestShape(FP16, FP8_DTYPE, 80, 4, 1, 8, ((None, None),), 512)),
 ]
 #: (label, component, kernel name prefix, fault, factor); None = the sound kernels.
 FAULTS: list[tuple[str, str, str | None, str, float]] = [

@@ -8,7 +8,8 @@ on the device, with the engine's backend and kernel runner (cupy on a GPU; the C
 1. the cache write (``reshape_and_cache``, or ``reshape_and_cache_fp8`` for an FP8 cache)
    against the reference's scatter, on the slots of a step;
 2. the decode kernel on three sequences (one token, a block and one, a context of several
-   64-token partitions), unsplit and split, per sliding window of the model;
+   64-token partitions), unsplit and split, per kind of attention layer of the model
+   (sliding window, soft-cap);
 3. a mixed step (a decode, a fresh prompt, a chunk over a cached prefix) through the paged
    prefill kernel.
 
@@ -61,6 +62,10 @@ QUERY_GAIN = 2.0
 _REF = TorchAttentionBackend()
 
 
+#: One kind of attention layer: (sliding window, logits soft-cap), None meaning off.
+LayerKind = tuple[int | None, float | None]
+
+
 @dataclass(slots=True)
 class CheckResult:
     """One self-test comparison: which component and path, the kernels it launched, the
@@ -106,14 +111,16 @@ class SelftestShape:
     num_q_heads: int
     num_kv_heads: int
     block_size: int
-    sliding_windows: tuple[int | None, ...] = (None,)
+    #: the model's kinds of attention layer: (sliding window, logits soft-cap), None = off
+    layer_kinds: tuple[LayerKind, ...] = ((None, None),)
     max_model_len: int = 4096
 
     def describe(self) -> str:
         """``bfloat16 head 128 GQA 32/8 block 16 [kv fp8]`` for log lines."""
         kv = "" if self.kv_dtype == self.dtype else f" kv {str(self.kv_dtype)[6:]}"
-        windows = [w for w in self.sliding_windows if w is not None]
-        win = f" windows {windows}" if windows else ""
+        windows = sorted({w for w, _ in self.layer_kinds if w is not None})
+        caps = sorted({c for _, c in self.layer_kinds if c is not None})
+        win = (f" windows {windows}" if windows else "") + (f" soft-caps {caps}" if caps else "")
         return (f"{str(self.dtype).removeprefix('torch.')} head {self.head_dim} GQA "
                 f"{self.num_q_heads}/{self.num_kv_heads} block {self.block_size}{kv}{win}")
 
@@ -151,7 +158,8 @@ class Case:
 
 
 def make_case(shape: SelftestShape, q_lens: list[int], seq_lens: list[int],
-              window: int | None, device: torch.device, seed: int) -> Case:
+              window: int | None, device: torch.device, seed: int,
+              soft_cap: float | None = None) -> Case:
     """Sequences (decodes, query length 1, first) whose contexts before this step's tokens
     are cached in randomly placed blocks; every slot no sequence owns (block 0 included) is
     NaN. An FP8 cache gets per-tensor scales with headroom, passed explicitly."""
@@ -201,6 +209,7 @@ def make_case(shape: SelftestShape, q_lens: list[int], seq_lens: list[int],
         block_tables=tables.to(device),
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         max_query_len=max(q_lens), max_seq_len=max(seq_lens), sliding_window=window,
+        logits_soft_cap=soft_cap,
     )
     return Case(query.to(device, shape.dtype), key_cache.to(device), value_cache.to(device),
                 meta, new_key.to(device, shape.dtype), new_value.to(device, shape.dtype),
@@ -275,15 +284,22 @@ def _dequant(rows: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
     return torch.stack([rows[0].float() * scales[0], rows[1].float() * scales[1]])
 
 
-def decode_cases(shape: SelftestShape) -> list[tuple[int | None, list[int]]]:
-    """(window, context lengths) of the decode checks: per sliding window, one token, a block
-    and one, and a context of several 64-token partitions (past the window, if any)."""
+def decode_cases(shape: SelftestShape) -> list[tuple[LayerKind, list[int]]]:
+    """((window, soft-cap), context lengths) of the decode checks: per kind of layer, one
+    token, a block and one, and a context of several 64-token partitions (past the window,
+    if any)."""
     bs, top = shape.block_size, max(2, shape.max_model_len - 1)
     cases = []
-    for window in dict.fromkeys(shape.sliding_windows):
+    for kind in dict.fromkeys(shape.layer_kinds):
+        window = kind[0]
         long = 3 * TC_SPLIT_UNIT + bs // 2 + 5 if window is None else window + 2 * TC_SPLIT_UNIT + 5
-        cases.append((window, sorted({1, min(top, bs + 1), min(top, long)})))
+        cases.append((kind, sorted({1, min(top, bs + 1), min(top, long)})))
     return cases
+
+
+def _kind_detail(kind: LayerKind) -> str:
+    window, cap = kind
+    return (f" window {window}" if window else "") + (f" soft-cap {cap:g}" if cap else "")
 
 
 def check_decode(backend: Any, shape: SelftestShape, device: torch.device,
@@ -291,14 +307,14 @@ def check_decode(backend: Any, shape: SelftestShape, device: torch.device,
     """Decode through ``backend`` (its routes as set) unsplit and split (64-token partitions),
     per window, against the reference."""
     results = []
-    for window, lens in decode_cases(shape):
-        case = make_case(shape, [1] * len(lens), lens, window, device, seed=sum(lens))
+    for kind, lens in decode_cases(shape):
+        case = make_case(shape, [1] * len(lens), lens, kind[0], device, seed=sum(lens),
+                         soft_cap=kind[1])
         for split in (False, True):
             recorder = RecordingKernels(backend.kernel_runner)
             candidate = backend.variant(kernels=recorder, split_k=split,
                                         partition_size=TC_SPLIT_UNIT if split else None)
-            detail = f"contexts {lens}{' split' if split else ''}" + (
-                f" window {window}" if window else "")
+            detail = f"contexts {lens}{' split' if split else ''}" + _kind_detail(kind)
 
             def body(c: Any = candidate, case: Case = case) -> tuple[torch.Tensor, torch.Tensor]:
                 return _attend(c, case), _attend(_REF, case)
@@ -314,15 +330,17 @@ def check_prefill(backend: Any, shape: SelftestShape, device: torch.device,
     ``backend``, per window, against the reference."""
     bs, top = shape.block_size, max(8, shape.max_model_len - 1)
     results = []
-    for window in dict.fromkeys(shape.sliding_windows):
+    for kind in dict.fromkeys(shape.layer_kinds):
+        window = kind[0]
         chunk = 2 * bs + 3
         past = bs + 5 if window is None else window + 9
         q_lens = [1, 7, min(chunk, top - 1)]
         lens = [min(top, 40), 7, min(top, q_lens[2] + past)]
-        case = make_case(shape, q_lens, lens, window, device, seed=7 + sum(lens))
+        case = make_case(shape, q_lens, lens, window, device, seed=7 + sum(lens),
+                         soft_cap=kind[1])
         recorder = RecordingKernels(backend.kernel_runner)
         candidate = backend.variant(kernels=recorder)
-        detail = f"chunks {q_lens} of contexts {lens}" + (f" window {window}" if window else "")
+        detail = f"chunks {q_lens} of contexts {lens}" + _kind_detail(kind)
 
         def body(c: Any = candidate, case: Case = case) -> tuple[torch.Tensor, torch.Tensor]:
             return _attend(c, case), _attend(_REF, case)

@@ -127,9 +127,10 @@ def run_selftest(mode: str, backend: AttentionBackend, fused: FusedKernels | Non
     :class:`KernelSelfTestError` for a failure under "strict"."""
     if mode not in MODES:
         raise ValueError(f"kernel_selftest must be one of {', '.join(MODES)}, got {mode!r}")
-    windows = tuple(dict.fromkeys(a.sliding_window for a in attention_layers(model))) or (None,)
+    kinds = tuple(dict.fromkeys((a.sliding_window, a.logits_soft_cap)
+                                for a in attention_layers(model))) or ((None, None),)
     shape = SelftestShape(spec.dtype, kv_dtype, spec.head_dim, spec.num_q_heads,
-                          spec.num_kv_heads, block_size, windows, max_model_len)
+                          spec.num_kv_heads, block_size, kinds, max_model_len)
     report = SelftestReport(mode, SelftestState.NOT_APPLICABLE, shape.describe())
     paths_of = getattr(backend, "paths", None)
     if paths_of is None:  # the torch reference or the CPU backend: nothing to check

@@ -32,12 +32,12 @@ def _backend(runner) -> CudaAttentionBackend:  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize(
     ("dtype", "kv_dtype", "dim", "q_heads", "kv_heads", "block", "windows", "kernels"),
     [
-        (torch.bfloat16, torch.bfloat16, 64, 8, 2, 16, (None,),
+        (torch.bfloat16, torch.bfloat16, 64, 8, 2, 16, ((None, None),),
          ["reshape_and_cache<16>", "paged_decode_tc<2, 0, 64, 1>", "paged_prefill_tc<2, 0, 64>"]),
-        (torch.float16, FP8_DTYPE, 80, 4, 1, 8, (None, 40),
+        (torch.float16, FP8_DTYPE, 80, 4, 1, 8, ((None, None), (40, 30.0)),
          ["reshape_and_cache_fp8<1>", "paged_decode_tc<1, 1, 80, 1>",
           "paged_prefill_tc<1, 1, 80>"]),
-        (torch.float32, torch.float32, 32, 8, 1, 8, (None,),
+        (torch.float32, torch.float32, 32, 8, 1, 8, ((None, None),),
          ["paged_attention_decode<0, 32, 8>", "paged_attention_reduce<0>"]),
     ],
 )
@@ -55,19 +55,22 @@ def test_sound_kernels_pass_and_keep_their_paths(  # type: ignore[no-untyped-def
     assert set(kernels) <= launched
     assert all(c.rel_err < BOUNDS[dtype] / 3 for c in sel.checks if c.component != "cache_write")
     windowed = [c for c in sel.checks if "window 40" in c.detail]
-    assert len(windowed) == (3 if 40 in windows else 0)  # decode unsplit + split, prefill
+    assert len(windowed) == (3 if (40, 30.0) in windows else 0)  # decode unsplit/split, prefill
+    assert all("soft-cap 30" in c.detail for c in windowed)
 
 
 def test_decode_contexts_span_partitions_and_pass_the_window() -> None:
-    shape = SelftestShape(torch.bfloat16, torch.bfloat16, 128, 32, 8, 16, (None, 4096), 8192)
+    shape = SelftestShape(torch.bfloat16, torch.bfloat16, 128, 32, 8, 16,
+                          ((None, None), (4096, 50.0)), 8192)
     (none, lens), (window, wlens) = decode_cases(shape)
-    assert none is None and lens == [1, 17, 205] and window == 4096 and max(wlens) > 4096 + 64
-    small = SelftestShape(torch.bfloat16, torch.bfloat16, 64, 4, 1, 32, (None,), 100)
+    assert none == (None, None) and lens == [1, 17, 205]
+    assert window == (4096, 50.0) and max(wlens) > 4096 + 64
+    small = SelftestShape(torch.bfloat16, torch.bfloat16, 64, 4, 1, 32, ((None, None),), 100)
     assert max(decode_cases(small)[0][1]) == 99  # held to max_model_len
 
 
 def test_case_pool_is_nan_outside_every_context() -> None:
-    shape = SelftestShape(torch.bfloat16, torch.bfloat16, 64, 4, 2, 16, (None,), 512)
+    shape = SelftestShape(torch.bfloat16, torch.bfloat16, 64, 4, 2, 16, ((None, None),), 512)
     case = make_case(shape, [1, 3], [20, 3], None, CPU, seed=1)
     owned = 0
     for s, n in enumerate([20, 3]):
@@ -84,7 +87,7 @@ def test_broken_tensor_core_decode_falls_back_to_the_legacy_kernel(emu_kernels) 
 
     broken = EmulatedKernels(build([], [(2, 0, 64, 1)], [], defines=["QW_EMU_MUTATE_WAIT=1"]))
     runner = RoutedKernels(emu_kernels(), {"paged_decode_tc": broken})
-    shape = SelftestShape(torch.bfloat16, torch.bfloat16, 64, 4, 1, 16, (None,), 512)
+    shape = SelftestShape(torch.bfloat16, torch.bfloat16, 64, 4, 1, 16, ((None, None),), 512)
     sel = select_attention(_backend(runner), shape, CPU)
     failed = [c for c in sel.checks if not c.passed]
     assert failed and all(c.component == "decode" and c.path == "tensor_core" for c in failed)
@@ -102,7 +105,7 @@ def test_broken_tensor_core_decode_falls_back_to_the_legacy_kernel(emu_kernels) 
 
 def test_wrong_scale_in_the_prefill_kernel_falls_back_to_sdpa(emu_kernels) -> None:  # type: ignore[no-untyped-def]
     runner = FaultyKernels(emu_kernels(), "paged_prefill_tc", factor=1.05)
-    shape = SelftestShape(torch.bfloat16, torch.bfloat16, 64, 4, 1, 16, (None,), 512)
+    shape = SelftestShape(torch.bfloat16, torch.bfloat16, 64, 4, 1, 16, ((None, None),), 512)
     sel = select_attention(_backend(runner), shape, CPU)
     failed = [c for c in sel.checks if not c.passed]
     assert [(c.component, c.path) for c in failed] == [("prefill", "tensor_core")]
@@ -113,7 +116,7 @@ def test_wrong_scale_in_the_prefill_kernel_falls_back_to_sdpa(emu_kernels) -> No
 
 def test_cache_write_that_never_runs_falls_back_to_the_torch_scatter(emu_kernels) -> None:  # type: ignore[no-untyped-def]
     runner = FaultyKernels(emu_kernels(), "reshape_and_cache", fault="skip")
-    shape = SelftestShape(torch.float16, torch.float16, 32, 8, 1, 8, (None,), 512)
+    shape = SelftestShape(torch.float16, torch.float16, 32, 8, 1, 8, ((None, None),), 512)
     sel = select_attention(_backend(runner), shape, CPU)
     failed = [c for c in sel.checks if not c.passed]
     assert [(c.component, c.path) for c in failed] == [("cache_write", "cuda")]
@@ -125,7 +128,7 @@ def test_cache_write_that_never_runs_falls_back_to_the_torch_scatter(emu_kernels
 
 def test_missing_kernel_is_a_failed_check_with_its_error(emu_kernels) -> None:  # type: ignore[no-untyped-def]
     # bf16 head 96 is in no emulator build: each kernel launch raises, torch paths remain
-    shape = SelftestShape(torch.bfloat16, torch.bfloat16, 96, 4, 2, 16, (None,), 512)
+    shape = SelftestShape(torch.bfloat16, torch.bfloat16, 96, 4, 2, 16, ((None, None),), 512)
     sel = select_attention(_backend(emu_kernels()), shape, CPU)
     raised = [c for c in sel.checks if c.error is not None]
     assert {(c.component, c.path) for c in raised} == {
@@ -148,7 +151,7 @@ def test_nothing_passing_leaves_the_torch_reference(monkeypatch) -> None:  # typ
         launch = staticmethod(fails)
 
     monkeypatch.setattr(cuda_backend, "sdpa_prefill", fails)  # and SDPA too
-    shape = SelftestShape(torch.float16, torch.float16, 32, 8, 1, 8, (None,), 512)
+    shape = SelftestShape(torch.float16, torch.float16, 32, 8, 1, 8, ((None, None),), 512)
     sel = select_attention(_backend(Dead()), shape, CPU)
     assert isinstance(sel.backend, TorchAttentionBackend) and sel.fell_back
     assert not any(c.passed for c in sel.checks if c.component in ("decode", "prefill"))
@@ -159,11 +162,13 @@ def test_nothing_passing_leaves_the_torch_reference(monkeypatch) -> None:  # typ
 @pytest.mark.parametrize(
     ("dtype", "kv_dtype", "dim", "q_heads", "kv_heads", "block", "windows"),
     [
-        (torch.bfloat16, torch.bfloat16, 128, 32, 8, 16, (None,)),  # Llama-3.1-8B
-        (torch.bfloat16, FP8_DTYPE, 128, 32, 8, 16, (None,)),
-        (torch.float16, torch.float16, 64, 14, 2, 32, (None, 4096)),  # group 7, window
-        (torch.bfloat16, torch.bfloat16, 256, 8, 4, 8, (None,)),  # 2-warp decode, SDPA prefill
-        (torch.float32, torch.float32, 128, 32, 8, 16, (None,)),  # legacy kernel
+        (torch.bfloat16, torch.bfloat16, 128, 32, 8, 16, ((None, None),)),  # Llama-3.1-8B
+        (torch.bfloat16, FP8_DTYPE, 128, 32, 8, 16, ((None, None),)),
+        (torch.float16, torch.float16, 64, 14, 2, 32, ((None, None), (4096, None))),  # group 7
+        (torch.bfloat16, torch.bfloat16, 128, 32, 16, 16,
+         ((4096, 50.0), (None, 50.0))),  # Gemma-2-27B: windowed and global, soft-capped
+        (torch.bfloat16, torch.bfloat16, 256, 8, 4, 8, ((None, None),)),  # 2-warp, SDPA prefill
+        (torch.float32, torch.float32, 128, 32, 8, 16, ((None, None),)),  # legacy kernel
     ],
 )
 def test_gpu_selection_keeps_every_kernel(  # type: ignore[no-untyped-def]
