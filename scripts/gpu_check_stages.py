@@ -94,6 +94,14 @@ STAGES: list[Stage] = [
     Stage("structured", 90, 60, _STRUCTURED),
     Stage("selftest_margin", 20, 65, '"$PYTHON" scripts/bench_selftest.py --out "$STAGE_JSON" '
           '$DRY_FLAG'),
+    # FP8 weights and mixture-of-experts (docs/quantization.md, docs/moe.md), dummy weights
+    Stage("fixed_len_fp8", 240, 70, '"$PYTHON" scripts/bench_fixed_len.py --compare-fp8 '
+          '--seconds "${FIXED_SECONDS:-40}" --out "$STAGE_JSON" $DRY_FLAG'),
+    Stage("moe_decode", 150, 71, '"$PYTHON" scripts/bench_fixed_len.py --shape qwen3-30b-a3b '
+          '--seconds "${FIXED_SECONDS:-40}" --out "$STAGE_JSON" $DRY_FLAG'),
+    Stage("moe_prefill", 120, 72, '"$PYTHON" scripts/bench_fixed_len.py --shape qwen3-30b-a3b '
+          '--input-len 2048 --output-len 128 --seconds "${FIXED_SECONDS:-40}" '
+          '--out "$STAGE_JSON" $DRY_FLAG'),
     # e.g. Stage("tp2", 90, 80, '[ "$GPU_COUNT" -ge 2 ] || skip "needs 2 GPUs"; ...'),
 ]
 
