@@ -49,8 +49,12 @@ resource "aws_iam_policy" "worker" {
 }
 
 # produce (and cancel): send jobs, write the batch's markers. SendJobs' GetQueueUrl
-# is for `--to sqs://NAME`; _failed.json (produce did not finish) and _cancel.json
-# (qworker cancel) are issue 20's markers, pending until the recording sees them.
+# is for `--to sqs://NAME`. ReadManifest: produce keeps an existing manifest of the
+# same ids (sending a file again) and refuses one of other ids; MissingIsNotFound
+# (s3:ListBucket) makes S3 answer that first GET 404 instead of 403. _failed.json
+# (produce did not finish) and _cancel.json (qworker cancel) are issue 20's markers,
+# pending until the recording sees them. KMS: SendMessage needs GenerateDataKey and
+# Decrypt (SQS reuses data keys), PutObject GenerateDataKey, GetObject Decrypt.
 resource "aws_iam_policy" "producer" {
   name        = "${local.name}-producer"
   description = "qworker produce / cancel: send jobs to the queue, write batch markers"
