@@ -276,7 +276,7 @@ def test_dashboard_queries_design_metrics_and_prices_tokens() -> None:
 def test_image_drains_on_sigterm_as_non_root_with_healthcheck() -> None:
     text = (ROOT / "Dockerfile").read_text()
     assert "STOPSIGNAL SIGTERM" in text
-    assert 'ENTRYPOINT ["qworker", "run"]' in text
+    assert 'ENTRYPOINT ["dumb-init", "--", "/opt/qworker/entrypoint.sh"]' in text
     (user,) = re.findall(r"^USER (\S+)", text, re.MULTILINE)
     assert not user.startswith(("0", "root"))
     assert re.search(r"^HEALTHCHECK .*\n?.*/healthz", text, re.MULTILINE)
