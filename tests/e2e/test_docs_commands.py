@@ -20,6 +20,7 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,11 +55,12 @@ def command_blocks() -> list[Block]:
     for doc in DOCS:
         text = doc.read_text(encoding="utf-8")
         heading, counts = "", dict[str, int]()
-        for match in re.finditer(r"^(#{1,6} [^\n]*)$|^```(\w*)\n(.*?)^```", text, re.S | re.M):
+        pattern = r"^(#{1,6} [^\n]*)$|^[ \t]*```(\w*)\n(.*?)^[ \t]*```"
+        for match in re.finditer(pattern, text, re.S | re.M):
             if match.group(1):
                 heading = match.group(1).strip()
                 continue
-            lang, body = match.group(2), match.group(3)
+            lang, body = match.group(2), textwrap.dedent(match.group(3))
             lines = [ln for ln in body.splitlines() if ln.strip()]
             if lang in COMMAND_LANGS or (not lang and lines and all(
                     _COMMANDISH.match(ln) or ln.lstrip().startswith("#") for ln in lines)):
@@ -79,6 +81,11 @@ NOT_RUN: dict[tuple[str, str, int], str] = {
     ("deploy/README.md", "## 1. Build and push the image", 0):
         "needs terraform, an AWS account and docker (none here); tests/deploy holds the "
         "Dockerfile and terraform to the code",
+    ("deploy/README.md", "## 2. AWS Batch: zero to a running fleet", 0):
+        "`qworker produce` to the deployment's SQS queue: needs terraform outputs and an AWS "
+        "account; tests/e2e/test_iam_enforced.py runs the same produce against moto",
+    ("deploy/README.md", "## 2. AWS Batch: zero to a running fleet", 1):
+        "`aws batch submit-job`: needs an AWS account and the AWS CLI",
     ("deploy/terraform/README.md", "# qworker on AWS (Terraform)", 0):
         "needs terraform and an AWS account",
     ("docs/reliability.md", "## Running it", 0):
@@ -233,3 +240,17 @@ def test_synopses_name_only_commands_and_flags_the_cli_has(key: tuple[str, str, 
         known = _cli_flags(words[1])
         for flag in re.findall(r"(?<![\w-])(--?[a-z][\w-]*)", " ".join(words[2:])):
             assert flag in known, f"{line.strip()!r}: qworker {words[1]} has no {flag}"
+
+
+def test_formats_md_names_exactly_the_body_fields_that_are_refused() -> None:
+    """docs/formats.md's list of refused fields is the parser's, and others are ignored."""
+    from qworker.schema.jobs import _UNSUPPORTED, parse_job
+
+    text = (ROOT / "docs" / "formats.md").read_text(encoding="utf-8")
+    start = text.index("A field that would change the meaning and is not supported")
+    paragraph = text[start:text.index("(each unless it holds its", start)]
+    assert set(re.findall(r"`(\w+)`", paragraph)) == set(_UNSUPPORTED)
+    line = {"custom_id": "a", "url": "/v1/chat/completions", "unknown_top": 1,
+            "body": {"messages": [{"role": "user", "content": "hi"}], "user": "u",
+                     "frobnicate": 3, "stream": False}}
+    assert parse_job(json.dumps(line).encode()).job is not None  # accepted, ignored
