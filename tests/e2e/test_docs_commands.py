@@ -248,7 +248,7 @@ def test_formats_md_names_exactly_the_body_fields_that_are_refused() -> None:
 
     text = (ROOT / "docs" / "formats.md").read_text(encoding="utf-8")
     start = text.index("A field that would change the meaning and is not supported")
-    paragraph = text[start:text.index("(each unless it holds its", start)]
+    paragraph = text[text.index("naming it:", start):text.index("(each unless it holds its", start)]
     assert set(re.findall(r"`(\w+)`", paragraph)) == set(_UNSUPPORTED)
     line = {"custom_id": "a", "url": "/v1/chat/completions", "unknown_top": 1,
             "body": {"messages": [{"role": "user", "content": "hi"}], "user": "u",
