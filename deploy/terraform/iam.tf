@@ -142,8 +142,8 @@ locals {
 }
 
 resource "aws_iam_role" "eks_worker" {
-  count              = var.eks_oidc_provider_arn == "" ? 0 : 1
-  name               = "${local.name}-eks-worker"
+  count = var.eks_oidc_provider_arn == "" ? 0 : 1
+  name  = "${local.name}-eks-worker"
   assume_role_policy = jsonencode(jsondecode(templatefile("${path.module}/policies/irsa_trust.json.tftpl", {
     oidc_provider_arn = var.eks_oidc_provider_arn
     oidc_issuer       = local.oidc_issuer
