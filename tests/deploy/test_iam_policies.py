@@ -15,14 +15,14 @@ import re
 import pytest
 
 from tests.deploy.test_manifests import one, render
-from tests.fixtures.iam import (
+from tests.fixtures.iam_policies import (
     POLICIES,
     TERRAFORM,
     deployment,
     evaluate,
     template_variables,
 )
-from tests.fixtures.iam import (
+from tests.fixtures.iam_policies import (
     render as render_policy,
 )
 

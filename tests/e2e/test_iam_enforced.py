@@ -39,8 +39,9 @@ pytest.importorskip("boto3")
 pytest.importorskip("moto")
 
 from tests.fixtures.aws_recording import recorded_calls
-from tests.fixtures.iam import allowed_entries, check_calls, deployment, load_calls
+from tests.fixtures.iam import allowed_entries, check_calls, load_calls
 from tests.fixtures.iam_moto import EnforcingMoto, enforcing_moto, wait_until
+from tests.fixtures.iam_policies import deployment
 from tests.fixtures.servers import running
 
 ROOT = Path(__file__).resolve().parents[2]
