@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 
-from qworker.config import WorkerSettings
 from qworker.worker.exit_codes import ExitCode
 from tests.deploy.test_manifests import _config, _container, by_kind, one, pod_template, render
 
@@ -121,6 +120,8 @@ def test_jobs_fail_fast_on_1_retry_69_70_75_and_replace_evicted_pods(
 
 def _budgets(config: dict[str, str]) -> dict[str, float]:
     """The budgets the worker runs with: the ConfigMap's, else the settings' defaults."""
+    from qworker.config import WorkerSettings  # pydantic: not on the GPU machine
+
     defaults = WorkerSettings()
     names = ("source_outage_seconds", "sink_outage_seconds", "engine_step_timeout")
     return {n: float(config.get(f"QWORKER_{n.upper()}", getattr(defaults, n))) for n in names}
