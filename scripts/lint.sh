@@ -3,7 +3,7 @@
 #
 #   ruff              Python (the main venv's ruff, config in pyproject.toml)
 #   hadolint         Dockerfile
-#   ShellCheck       scripts/*.sh and .ci/run
+#   ShellCheck       scripts/*.sh, deploy/**/*.sh (the image's entrypoint) and .ci/run
 #   yamllint         deploy/**/*.yaml (strict, config .yamllint)
 #   kubectl kustomize  renders deploy/k8s overlays and the Karpenter kustomization
 #   kubernetes-validate  the rendered manifests against the Kubernetes schemas
@@ -83,7 +83,7 @@ fi
 
 run hadolint "$TOOLS/bin/hadolint" --no-color Dockerfile
 
-mapfile -t shell_files < <(find scripts -name '*.sh' -type f | sort)
+mapfile -t shell_files < <(find scripts deploy -name '*.sh' -type f | sort)
 run shellcheck "$TOOLS/bin/shellcheck" "${shell_files[@]}" .ci/run
 
 run yamllint "$TOOLS/bin/yamllint" --strict -c .yamllint deploy .yamllint

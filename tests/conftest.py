@@ -19,8 +19,27 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 pytest_plugins = ["tests.fixtures.models", "tests.fixtures.servers"]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Record the AWS calls qworker's code makes this session (tests/fixtures/aws_recording.py)."""
+    config.addinivalue_line(
+        "markers", "runs_last: run after every other test (the session-wide AWS call check)")
+    from tests.fixtures import aws_recording
+
+    aws_recording.start()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Remove the session's AWS call recording."""
+    from tests.fixtures import aws_recording
+
+    aws_recording.stop()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip ``gpu``-marked tests cleanly when no CUDA device is present."""
+    """Skip ``gpu``-marked tests cleanly without CUDA; ``runs_last`` tests go last."""
+    last = [item for item in items if "runs_last" in item.keywords]
+    if last:
+        items[:] = [item for item in items if "runs_last" not in item.keywords] + last
     try:
         import torch
 

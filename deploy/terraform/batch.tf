@@ -2,7 +2,8 @@
 # types), one job queue, and a job definition that runs `qworker run
 # --until-idle` against the SQS queue. Submit it as an array job of N children
 # for N workers (README.md). A child whose host is reclaimed ("Host EC2 ...
-# terminated") is retried; its unfinished jobs return to the queue anyway.
+# terminated") or that exits 69, 70 or 75 is retried; its unfinished jobs return to
+# the queue anyway.
 
 resource "aws_ecr_repository" "qworker" {
   name                 = var.project
@@ -99,8 +100,12 @@ resource "aws_batch_compute_environment" "gpu_spot" {
     # Tags on the instances themselves (default_tags do not reach them).
     tags = local.tags
 
+    # The ECS GPU AMI. Batch resolves the latest ECS_AL2023_NVIDIA AMI when the
+    # compute environment is created and keeps it; set batch_ami_id to pin one
+    # (deploy/README.md, "Pinned versions": how to read and roll the current one).
     ec2_configuration {
-      image_type = "ECS_AL2023_NVIDIA"
+      image_type        = "ECS_AL2023_NVIDIA"
+      image_id_override = var.batch_ami_id == "" ? null : var.batch_ami_id
     }
 
     launch_template {
@@ -131,14 +136,33 @@ resource "aws_batch_job_definition" "worker" {
   platform_capabilities = ["EC2"]
   propagate_tags        = true
 
+  # The worker's exit codes (docs/operations.md): 0 done, 1 configuration error,
+  # 69 a source/sink/DLQ outage past its budget, 70 the engine failed, 75 drained
+  # (SIGTERM or a spot notice) with work possibly left. Batch takes the first
+  # matching condition (at most 5): 69, 70 and 75 and a lost host are retried on a
+  # new attempt, up to `batch_retry_attempts` attempts in all (the first included);
+  # everything else, 1 and any unknown code, ends the child at once instead of
+  # burning GPU hours on a configuration that cannot work. 0 is SUCCEEDED and never
+  # retried. tests/deploy/test_probes_and_retries.py replays every code 0-255.
   retry_strategy {
     attempts = var.batch_retry_attempts
-    # Spot reclaim: the host went away under the job. Retry on a new host.
+    # Spot reclaim: the host went away under the job (no exit code).
     evaluate_on_exit {
       on_status_reason = "Host EC2*"
       action           = "RETRY"
     }
-    # Anything else (a bug, a bad model path) fails fast instead of burning GPU hours.
+    evaluate_on_exit {
+      on_exit_code = "69"
+      action       = "RETRY"
+    }
+    evaluate_on_exit {
+      on_exit_code = "70"
+      action       = "RETRY"
+    }
+    evaluate_on_exit {
+      on_exit_code = "75"
+      action       = "RETRY"
+    }
     evaluate_on_exit {
       on_reason = "*"
       action    = "EXIT"

@@ -48,6 +48,16 @@ output "keda_queue_reader_policy_arn" {
   value       = aws_iam_policy.keda_queue_reader.arn
 }
 
+output "producer_policy_arn" {
+  description = "Attach to whoever runs qworker produce / cancel against this deployment."
+  value       = aws_iam_policy.producer.arn
+}
+
+output "collector_policy_arn" {
+  description = "Attach to whoever runs qworker status / collect against this deployment."
+  value       = aws_iam_policy.collector.arn
+}
+
 output "kms_key_arn" {
   description = "Key encrypting the bucket, queues, logs and alerts; producers need kms:GenerateDataKey on it."
   value       = aws_kms_key.this.arn

@@ -124,9 +124,23 @@ variable "root_volume_gb" {
 }
 
 variable "batch_retry_attempts" {
-  description = "Attempts per array child (spot reclaims retried)."
+  description = "Attempts per array child, the first included (1-10): a lost host and exits 69, 70, 75 start another; 1 and unknown codes do not."
   type        = number
   default     = 5
+  validation {
+    condition     = var.batch_retry_attempts >= 1 && var.batch_retry_attempts <= 10
+    error_message = "AWS Batch allows 1 to 10 attempts."
+  }
+}
+
+variable "batch_ami_id" {
+  description = "Pin the Batch instances' AMI (an ECS GPU AMI id, ami-...); empty: the ECS_AL2023_NVIDIA AMI current when the compute environment is created."
+  type        = string
+  default     = ""
+  validation {
+    condition     = var.batch_ami_id == "" || can(regex("^ami-[0-9a-f]+$", var.batch_ami_id))
+    error_message = "batch_ami_id must be empty or an AMI id (ami-...)."
+  }
 }
 
 variable "batch_attempt_timeout_seconds" {

@@ -79,14 +79,22 @@ def _config(docs: list[dict[str, Any]]) -> dict[str, str]:
     return one(docs, "ConfigMap")["data"]
 
 
+def pod_template(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The worker's pod template: the ScaledJob's Job template (a Deployment's before)."""
+    workloads = by_kind(docs, "ScaledJob") + by_kind(docs, "Deployment")
+    (workload,) = workloads
+    spec = workload["spec"]
+    return spec["jobTargetRef"]["template"] if "jobTargetRef" in spec else spec["template"]
+
+
 def _container(docs: list[dict[str, Any]]) -> dict[str, Any]:
-    (container,) = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    (container,) = pod_template(docs)["spec"]["containers"]
     return container
 
 
 def test_grace_period_covers_the_drain_budget(overlay: tuple[str, list]) -> None:
     _, docs = overlay
-    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    pod = pod_template(docs)["spec"]
     drain = int(_config(docs)["QWORKER_DRAIN_SECONDS"])
     assert pod["terminationGracePeriodSeconds"] >= drain + 15
     # and it fits inside the 2-minute spot notice
@@ -101,7 +109,7 @@ def test_probes_and_scrape_use_the_metrics_port(overlay: tuple[str, list]) -> No
     assert metrics_port["containerPort"] == port
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
-    annotations = one(docs, "Deployment")["spec"]["template"]["metadata"]["annotations"]
+    annotations = pod_template(docs)["metadata"]["annotations"]
     assert annotations["prometheus.io/scrape"] == "true"
     assert int(annotations["prometheus.io/port"]) == port
 
@@ -113,7 +121,7 @@ def test_pod_requests_a_gpu_and_tolerates_the_gpu_taint(
     container = _container(docs)
     assert container["resources"]["requests"]["nvidia.com/gpu"] == "1"
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
-    tolerations = one(docs, "Deployment")["spec"]["template"]["spec"]["tolerations"]
+    tolerations = pod_template(docs)["spec"]["tolerations"]
     for pool in by_kind(karpenter, "NodePool"):
         for taint in pool["spec"]["template"]["spec"]["taints"]:
             assert any(
@@ -126,7 +134,7 @@ def test_pod_runs_non_root_on_a_read_only_root_with_writable_caches(
     overlay: tuple[str, list],
 ) -> None:
     _, docs = overlay
-    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    pod = pod_template(docs)["spec"]
     container = _container(docs)
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
@@ -142,7 +150,7 @@ def test_pod_runs_non_root_on_a_read_only_root_with_writable_caches(
 
 def test_config_and_service_account_are_wired(overlay: tuple[str, list]) -> None:
     _, docs = overlay
-    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    pod = pod_template(docs)["spec"]
     env_from = _container(docs)["envFrom"]
     assert env_from[0]["configMapRef"]["name"] == one(docs, "ConfigMap")["metadata"]["name"]
     assert env_from[1]["secretRef"]["optional"] is True
@@ -153,22 +161,20 @@ def test_config_and_service_account_are_wired(overlay: tuple[str, list]) -> None
 
 def test_pdb_and_network_policy_select_the_worker_pods(overlay: tuple[str, list]) -> None:
     _, docs = overlay
-    labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    labels = pod_template(docs)["metadata"]["labels"]
     for kind, key in (("PodDisruptionBudget", "selector"), ("NetworkPolicy", "podSelector")):
         selector = one(docs, kind)["spec"][key]["matchLabels"]
         assert selector.items() <= labels.items(), kind
-    assert one(docs, "PodDisruptionBudget")["spec"]["maxUnavailable"] == 1
 
 
-def test_scaled_object_targets_the_deployment_and_matches_the_source(
+def test_scaled_job_runs_the_worker_and_matches_the_source(
     overlay: tuple[str, list], karpenter: list[dict[str, Any]]
 ) -> None:
     name, docs = overlay
-    scaled = one(docs, "ScaledObject")
-    deployment = one(docs, "Deployment")
-    assert scaled["metadata"]["namespace"] == deployment["metadata"]["namespace"]
-    assert scaled["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
-    assert scaled["spec"]["minReplicaCount"] == 0
+    scaled = one(docs, "ScaledJob")
+    assert not by_kind(docs, "Deployment") and not by_kind(docs, "ScaledObject")
+    assert scaled["metadata"]["namespace"] == one(docs, "ConfigMap")["metadata"]["namespace"]
+    assert int(_config(docs)["QWORKER_UNTIL_IDLE"]) > 0  # each Job ends by itself
     pools = by_kind(karpenter, "NodePool")
     gpu_limit = sum(int(p["spec"]["limits"]["nvidia.com/gpu"]) for p in pools)
     assert scaled["spec"]["maxReplicaCount"] <= gpu_limit
@@ -195,7 +201,7 @@ def test_kafka_trigger_authenticates_like_the_worker() -> None:
     """KEDA reads the lag with the pods' security settings and the same Secret keys."""
     docs = render("overlays/kafka")
     config = _config(docs)
-    (trigger,) = one(docs, "ScaledObject")["spec"]["triggers"]
+    (trigger,) = one(docs, "ScaledJob")["spec"]["triggers"]
     meta = trigger["metadata"]
     protocol = config["QWORKER_KAFKA_SECURITY_PROTOCOL"]
     assert meta["tls"] == ("enable" if protocol.endswith("SSL") else "disable")
@@ -215,7 +221,7 @@ def test_kafka_trigger_authenticates_like_the_worker() -> None:
                    kafka_sasl_username="u", kafka_sasl_password="p")
 
 
-def test_karpenter_pools_are_gpu_spot_first_with_consolidation(
+def test_karpenter_pools_are_gpu_spot_first_and_remove_empty_nodes(
     karpenter: list[dict[str, Any]],
 ) -> None:
     node_classes = {d["metadata"]["name"] for d in by_kind(karpenter, "EC2NodeClass")}
@@ -223,10 +229,11 @@ def test_karpenter_pools_are_gpu_spot_first_with_consolidation(
     spot = pools[0]["spec"]
     reqs = {r["key"]: r["values"] for r in spot["template"]["spec"]["requirements"]}
     assert reqs["karpenter.sh/capacity-type"] == ["spot"]
-    assert {"g5", "g6", "p5"} <= set(reqs["karpenter.k8s.aws/instance-family"])
+    assert {"g5", "g6"} <= set(reqs["karpenter.k8s.aws/instance-family"])
     for pool in pools:
         assert pool["spec"]["template"]["spec"]["nodeClassRef"]["name"] in node_classes
-        assert pool["spec"]["disruption"]["consolidationPolicy"] == "WhenEmptyOrUnderutilized"
+        # one worker per node: consolidation only removes empty nodes
+        assert pool["spec"]["disruption"]["consolidationPolicy"] == "WhenEmpty"
     (node_class,) = by_kind(karpenter, "EC2NodeClass")
     assert node_class["spec"]["metadataOptions"]["httpTokens"] == "required"
 
@@ -269,7 +276,7 @@ def test_dashboard_queries_design_metrics_and_prices_tokens() -> None:
 def test_image_drains_on_sigterm_as_non_root_with_healthcheck() -> None:
     text = (ROOT / "Dockerfile").read_text()
     assert "STOPSIGNAL SIGTERM" in text
-    assert 'ENTRYPOINT ["qworker", "run"]' in text
+    assert 'ENTRYPOINT ["dumb-init", "--", "/opt/qworker/entrypoint.sh"]' in text
     (user,) = re.findall(r"^USER (\S+)", text, re.MULTILINE)
     assert not user.startswith(("0", "root"))
     assert re.search(r"^HEALTHCHECK .*\n?.*/healthz", text, re.MULTILINE)
@@ -322,6 +329,5 @@ def test_terraform_retries_spot_reclaims_and_tags_everything() -> None:
     assert "threshold                  = 80" in cost
     assert "aws_cloudwatch_metric_alarm" in cost and "tokens_spike" in cost
     # the worker's role never gets a wildcard action or resource
-    iam = tf["iam.tf"]
-    worker_policy = iam.split('data "aws_iam_policy_document" "worker"')[1].split("\n}\n")[0]
+    worker_policy = (DEPLOY / "terraform" / "policies" / "worker.json.tftpl").read_text()
     assert '"*"' not in worker_policy and ":*\"" not in worker_policy
