@@ -4,6 +4,9 @@
 requested dtype and device, then streams checkpoint tensors into it one at a time,
 so at most one checkpoint tensor exists beside the model. Only safetensors and GGUF
 are read: pickled checkpoints (``.bin``/``.pt``) are refused, and no remote code runs.
+With a ``shard`` (tensor parallelism) the model is split on the meta device first
+(``qworker.models.tp_plan``) and each safetensors tensor reaches it unread, so a rank
+reads only its slice; a GGUF tensor is dequantized whole, then sliced.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import torch
 
 from qworker.errors import ModelLoadError
 from qworker.models.base import CausalLM, ModelSpec
+from qworker.models.checkpoint_tensor import CheckpointTensor, Readable
+from qworker.models.parallel_layers import ShardInfo
 from qworker.models.registry import model_class, resolve_architecture
 from qworker.models.sources import PICKLE_SUFFIXES, default_cache_dir, resolve_source
 
@@ -87,6 +92,7 @@ def load_model(
     cache_dir: Path | None = None,
     s3_endpoint_url: str | None = None,
     load_format: str = "auto",
+    shard: ShardInfo | None = None,
 ) -> LoadedModel:
     """Load the model at ``path`` with weights in ``dtype`` on ``device``.
 
@@ -96,12 +102,13 @@ def load_model(
     (listing the supported ones), a missing config or missing/pickled weights.
     ``load_format="dummy"`` reads only config.json and fills every weight with seeded
     random values on ``device`` (benchmarks of a model's shape; nothing is read or
-    written besides the config).
+    written besides the config). ``shard``: load only that tensor-parallel rank's slice
+    (``TensorParallelConfigError`` when the model does not split evenly).
     """
     device = torch.device(device)
     local = resolve_source(path, cache_dir, s3_endpoint_url)
     if load_format == "dummy":
-        return _dummy(local, dtype, device)
+        return _dummy(local, dtype, device, shard)
     if load_format != "auto":
         raise ModelLoadError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     gguf = _find_gguf(local)
@@ -115,7 +122,7 @@ def load_model(
                 "model_type": config.model_type,
             }
         )
-        model = _build(architecture, config, dtype, device)
+        model = _build(architecture, config, dtype, device, shard)
         model.load_weights(load_gguf_tensors(gguf, config, raw_config, dtype))
         source = gguf
         gguf_name: str | None = gguf.name
@@ -129,8 +136,8 @@ def load_model(
             config = AutoConfig.from_pretrained(str(local), trust_remote_code=False)
         except Exception as exc:
             raise ModelLoadError(f"cannot parse {local / 'config.json'}: {exc}") from exc
-        model = _build(architecture, config, dtype, device)
-        model.load_weights(_iter_safetensors(files))
+        model = _build(architecture, config, dtype, device, shard)
+        model.load_weights(_iter_safetensors(files, lazy=shard is not None))
         source = local
         gguf_name = None
     model.eval()
@@ -150,14 +157,44 @@ def load_model(
     )
 
 
-def _dummy(local: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def check_tensor_parallel(path: str | os.PathLike[str], world_size: int, *,
+                          cache_dir: Path | None = None) -> Path:
+    """Fetch ``path`` once (s3://, hub) and check its model splits over ``world_size`` ranks
+    (``TensorParallelConfigError`` naming the field otherwise); returns the local path
+    every rank then loads. Builds the model on the meta device: no weight is read."""
+    from qworker.models.tp_plan import shard_model
+
+    local = resolve_source(path, cache_dir)
+    gguf = _find_gguf(local)
+    if gguf is not None:
+        from qworker.models.gguf import load_gguf_config
+
+        config, _ = load_gguf_config(gguf)
+        architecture = resolve_architecture(
+            {"architectures": getattr(config, "architectures", None),
+             "model_type": config.model_type})
+    else:
+        from transformers import AutoConfig
+
+        architecture = resolve_architecture(_read_json(local / "config.json", what="config.json"))
+        try:
+            config = AutoConfig.from_pretrained(str(local), trust_remote_code=False)
+        except Exception as exc:
+            raise ModelLoadError(f"cannot parse {local / 'config.json'}: {exc}") from exc
+    with torch.device("meta"):
+        shard_model(model_class(architecture)(config), ShardInfo(0, world_size))
+    return local
+
+
+def _dummy(local: Path, dtype: torch.dtype, device: torch.device,
+           shard: ShardInfo | None = None) -> LoadedModel:
     """The model of ``local/config.json`` with random weights made on ``device``."""
     from transformers import AutoConfig
 
     raw = _read_json(local / "config.json", what="config.json")
     architecture = resolve_architecture(raw)
     config = AutoConfig.from_pretrained(str(local), trust_remote_code=False)
-    model = _build(architecture, config, dtype, device)
+    model = _build(architecture, config, dtype, device, shard)
     gen = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -172,10 +209,15 @@ def _dummy(local: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel
     return LoadedModel(model=model, spec=model.spec, source=local, config=config)
 
 
-def _build(architecture: str, config: Any, dtype: torch.dtype, device: torch.device) -> CausalLM:
+def _build(architecture: str, config: Any, dtype: torch.dtype, device: torch.device,
+           shard: ShardInfo | None = None) -> CausalLM:
     cls = model_class(architecture)
     with torch.device("meta"):
         model = cls(config, dtype)
+        if shard is not None:
+            from qworker.models.tp_plan import shard_model
+
+            shard_model(model, shard)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.tie_weights()  # to_empty replaces parameters, which unties shared ones
     model.requires_grad_(False)
@@ -217,13 +259,15 @@ def _safetensors_files(local: Path) -> list[Path]:
     raise ModelLoadError(f"{local} has no weight files (*.safetensors or *.gguf)")
 
 
-def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(files: list[Path], lazy: bool = False
+                      ) -> Iterator[tuple[str, Readable]]:
+    """Every tensor of ``files``; ``lazy``: unread ``CheckpointTensor``s (a rank's slice)."""
     from safetensors import safe_open
 
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as handle:
             for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
-                yield name, handle.get_tensor(name)
+                yield name, CheckpointTensor(handle, name) if lazy else handle.get_tensor(name)
 
 
 def _as_id_list(value: Any) -> list[int]:
