@@ -1,0 +1,259 @@
+"""Rank 0's handle on a tensor-parallel group: the spawned ranks, their pipes, the group.
+
+``TensorParallelGroup.start`` spawns ranks 1..N-1 with ``torch.multiprocessing``
+(spawn: a fresh interpreter each, so a user's script must guard its entry point with
+``if __name__ == "__main__":``, as for any spawn), makes them join the process group
+through a ``TCPStore`` on loopback, and keeps one pipe to each. Over the pipe go the
+control messages (set up an engine, release it, shut down) and each step's header
+(``wire``); a follower blocks on its pipe while the engine is idle, and a closed pipe
+(rank 0 gone, however it died) ends it. One group serves one engine at a time; an
+engine that started its group shuts it down on ``close`` (or at exit), one given a
+group only releases it.
+
+Failures: a follower that exits is seen by rank 0's next collective (gloo reports the
+closed connection at once), by its next pipe write, or by ``failure``'s liveness scan;
+a follower that hangs makes rank 0's collective time out (``tensor_parallel_timeout``)
+or the worker's step watchdog fire first. Either way the engine raises
+``EngineDeadError`` and ``shutdown`` kills what is left: no rank outlives rank 0's
+engine (docs/operations.md, "Tensor parallelism").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import pickle
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from qworker.engine.parallel.follower import CONTROL, FollowerArgs, main
+from qworker.engine.parallel.group import RankGroup
+from qworker.errors import EngineDeadError
+
+logger = logging.getLogger(__name__)
+
+_STEP = b"S"
+_JOIN_POLL_S = 0.2
+
+
+@dataclass(slots=True)
+class _Follower:
+    rank: int
+    process: BaseProcess
+    conn: Connection
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "is still running"
+    if code < 0:
+        return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+class TensorParallelGroup:
+    """Ranks 1..N-1 of a tensor-parallel group, seen from rank 0 (see the module docstring).
+
+    Thread-safety: ``send_header`` (the engine thread) and the control calls (any thread)
+    share a lock; ``shutdown`` waits for it at most briefly, then kills.
+    """
+
+    def __init__(self, rank0: RankGroup, followers: list[_Follower], timeout_s: float,
+                 store: dist.Store) -> None:
+        self.rank0 = rank0
+        self._store = store  # kept alive: the followers' store clients talk to it
+        self.followers = followers
+        self.timeout_s = timeout_s
+        self.broken: EngineDeadError | None = None
+        self.closed = False
+        self.in_use = False
+        self._lock = threading.Lock()
+
+    @classmethod
+    def start(cls, world_size: int, device: torch.device, timeout_s: float = 600.0
+              ) -> TensorParallelGroup:
+        """Spawn ranks 1..``world_size``-1 and join the process group with them (rank 0 on
+        ``device``: the CPU, or ``cuda:0`` with rank ``r`` on ``cuda:r``)."""
+        if world_size < 2:
+            raise ValueError(f"a tensor-parallel group needs 2 or more ranks, got {world_size}")
+        if dist.is_initialized():
+            raise ValueError("tensor_parallel_size > 1 needs a process where torch.distributed "
+                             "is not initialised yet (the engine starts its own group)")
+        started = time.perf_counter()
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timeout,
+                              wait_for_workers=False)
+        ctx = mp.get_context("spawn")
+        followers: list[_Follower] = []
+        level = logging.getLogger("qworker").getEffectiveLevel()
+        try:
+            for rank in range(1, world_size):
+                ours, theirs = ctx.Pipe()
+                args = FollowerArgs(rank, world_size, store.port, device.type, timeout_s, level)
+                process = ctx.Process(target=main, args=(args, theirs), daemon=True,
+                                      name=f"qworker-tp-rank{rank}")
+                process.start()
+                theirs.close()  # only the follower holds its end: its death closes the pipe
+                followers.append(_Follower(rank, process, ours))
+            rank0 = RankGroup.join(0, world_size, store, device, timeout_s)
+        except BaseException:
+            _kill(followers)
+            raise
+        group = cls(rank0, followers, timeout_s, store)
+        logger.info("tensor parallel: %d ranks on %s (%s) joined in %.1fs", world_size,
+                    device.type, "nccl" if device.type == "cuda" else "gloo",
+                    time.perf_counter() - started)
+        return group
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the group, rank 0 included."""
+        return self.rank0.world_size
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of ranks 1..N-1."""
+        return [f.process.pid or 0 for f in self.followers]
+
+    # ---- engine setup --------------------------------------------------------------
+
+    def begin_setup(self, config: Any) -> None:
+        """Tell every follower to build its shard of the engine ``config`` describes (they
+        then run the same setup as rank 0, side by side)."""
+        if self.closed or self.broken is not None:
+            raise ValueError("this tensor-parallel group was shut down or broke; start another")
+        if self.in_use:
+            raise ValueError("this tensor-parallel group already serves an engine")
+        self.in_use = True
+        self._control("setup", config)
+
+    def finish_setup(self) -> list[int]:
+        """Wait for every follower to report its shard ready; returns each follower's
+        weight bytes (rank order). Raises ``EngineDeadError`` when one failed."""
+        sizes = []
+        for f in self.followers:
+            reply = self._reply(f)
+            if reply[0] != "ready":
+                raise self.failure(RuntimeError(f"rank {f.rank} could not set up: {reply[1]}"))
+            sizes.append(int(reply[1]))
+        return sizes
+
+    def _reply(self, f: _Follower) -> tuple[str, Any]:
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            if f.conn.poll(_JOIN_POLL_S):
+                try:
+                    return pickle.loads(f.conn.recv_bytes())
+                except (EOFError, OSError):
+                    break
+            if not f.process.is_alive():
+                break
+        raise self.failure()
+
+    def setup_failed(self, exc: BaseException) -> BaseException:
+        """Rank 0's setup raised ``exc``: the followers are somewhere in theirs, so the
+        group is shut down. Returns the error to raise (a follower's own report when it
+        failed first, else ``exc``)."""
+        reports = []
+        for f in self.followers:
+            try:
+                while f.conn.poll(0):
+                    kind, what = pickle.loads(f.conn.recv_bytes())
+                    if kind == "error":
+                        reports.append(f"rank {f.rank}: {what}")
+            except (EOFError, OSError):
+                continue
+        self.shutdown()
+        if reports and not isinstance(exc, ValueError):
+            return EngineDeadError("tensor-parallel setup failed on " + "; ".join(reports))
+        return exc
+
+    # ---- steps -------------------------------------------------------------------------
+
+    def send_header(self, header: bytes) -> None:
+        """Wake every follower with the next step's header (``wire.Header``)."""
+        if self.broken is not None:
+            raise self.broken
+        with self._lock:
+            for f in self.followers:
+                if not f.process.is_alive():
+                    raise self.failure()
+                f.conn.send_bytes(_STEP + header)
+
+    def failure(self, exc: BaseException | None = None) -> EngineDeadError:
+        """The ``EngineDeadError`` that ends this group, naming the ranks that died (marks
+        the group broken; ``shutdown`` still has to run)."""
+        if self.broken is not None:
+            return self.broken
+        time.sleep(0.1)  # a rank that just died: let its exit status arrive
+        dead = [f"rank {f.rank} (pid {f.process.pid}) {_describe_exit(f.process.exitcode)}"
+                for f in self.followers if not f.process.is_alive()]
+        if dead:
+            why = "tensor-parallel " + ", ".join(dead)
+        else:
+            why = "a tensor-parallel collective failed (a rank hung or left)"
+        if exc is not None:
+            why += f": {' '.join(str(exc).split())[:300]}"
+        self.broken = EngineDeadError(why)
+        logger.error("%s", why)
+        return self.broken
+
+    # ---- ending ----------------------------------------------------------------------
+
+    def release(self) -> None:
+        """The engine is done: followers drop their shard and wait for the next setup."""
+        if self.in_use and not self.closed and self.broken is None:
+            self.in_use = False
+            self._control("release", None)
+
+    def shutdown(self, grace_s: float = 5.0) -> None:
+        """Stop every follower (asked first, killed after ``grace_s``) and leave the group.
+        Safe from any thread, more than once, and while a step is stuck in a collective."""
+        if self.closed:
+            return
+        self.closed = True
+        got = self._lock.acquire(timeout=1.0)
+        try:
+            if got and self.broken is None:
+                for f in self.followers:
+                    with contextlib.suppress(OSError):
+                        f.conn.send_bytes(CONTROL + pickle.dumps(("shutdown", None)))
+            deadline = time.monotonic() + (grace_s if got and self.broken is None else 0.0)
+            for f in self.followers:
+                f.process.join(max(0.0, deadline - time.monotonic()))
+            _kill(self.followers)
+            for f in self.followers:
+                f.conn.close()
+            if got:  # a step stuck in a collective would use the group as it is destroyed
+                self.rank0.leave()
+        finally:
+            if got:
+                self._lock.release()
+        logger.info("tensor parallel: %d ranks shut down", self.world_size)
+
+    def _control(self, command: str, arg: Any) -> None:
+        message = CONTROL + pickle.dumps((command, arg))
+        with self._lock:
+            for f in self.followers:
+                try:
+                    f.conn.send_bytes(message)
+                except OSError as exc:
+                    raise self.failure(exc) from exc
+
+
+def _kill(followers: list[_Follower]) -> None:
+    """SIGKILL and reap every follower still alive."""
+    for f in followers:
+        if f.process.is_alive():
+            f.process.kill()
+    for f in followers:
+        f.process.join(5.0)
