@@ -21,6 +21,7 @@ from typing import Any, Protocol
 from qworker.engine.outputs import RequestOutput
 from qworker.engine.sampling_params import SamplingParams
 from qworker.engine.stats import EngineStats
+from qworker.errors import EngineDeadError
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ class EngineLike(Protocol):
     def abort(self, request_id: str) -> None: ...
     def has_unfinished(self) -> bool: ...
     def stats(self) -> EngineStats: ...
+    def close(self) -> None: ...
 
 
 class EngineThread:
@@ -164,6 +166,8 @@ class EngineThread:
             self._step_started = time.monotonic()
             try:
                 outputs = self.engine.step()
+            except EngineDeadError:
+                raise  # no later step can work (a tensor-parallel rank died): exit 70
             except Exception as exc:  # reported to the worker, thread lives on
                 log.exception("engine step failed")
                 self._resumed.clear()
