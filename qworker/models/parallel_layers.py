@@ -17,10 +17,10 @@ Megatron-LM's split (Shoeybi et al., 2019), as vLLM serves it:
   (``qworker.engine.parallel``).
 
 Every layer knows the checkpoint rows or columns it owns (``RowRange``) and reads only
-those through ``load_checkpoint`` (``qworker.models.checkpoint_tensor``). Summing
-partials and adding zeros is exact, so an embedding lookup and a column-parallel
-output are bit-identical to one rank's; row-parallel sums round differently (docs/
-operations.md, "Tensor parallelism").
+those through ``load_checkpoint`` (``qworker.models.checkpoint_tensor``). An
+embedding lookup is exact (one rank adds its row, the others zeros); a matmul over a
+slice may round differently from the whole one, as any change of GEMM shape may, and
+row-parallel partial sums do (docs/operations.md, "Tensor parallelism").
 """
 
 from __future__ import annotations
