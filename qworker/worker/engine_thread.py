@@ -84,6 +84,7 @@ class EngineThread:
         self._inbox_blocks = 0  # submitted since the current step began
         self._stepping_blocks = 0  # submitted before the current step began
         self.steps = 0
+        self.died_of: BaseException | None = None  # what ended the thread, if it died
         self._step_started: float | None = None
         self._thread = threading.Thread(target=self._guarded, name="qworker-engine", daemon=True)
 
@@ -149,7 +150,8 @@ class EngineThread:
     def _guarded(self) -> None:
         try:
             self._run()
-        except BaseException:  # the worker's watchdog sees the dead thread: exit 70
+        except BaseException as exc:  # the worker's watchdog sees the dead thread: exit 70
+            self.died_of = exc
             log.critical("the engine thread died", exc_info=True)
 
     def _run(self) -> None:
@@ -195,7 +197,8 @@ async def watchdog(thread: EngineThread, step_timeout: float,
     while True:
         await asyncio.sleep(interval)
         if not thread.alive:
-            on_failure("the engine thread died")
+            cause = thread.died_of
+            on_failure("the engine thread died" + (f" ({cause})" if cause is not None else ""))
             return
         running = thread.step_running_for()
         if step_timeout and running > step_timeout:
