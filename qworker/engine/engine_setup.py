@@ -217,6 +217,8 @@ def build_runner(config: EngineConfig, group: Any = None) -> RunnerParts:
         runner = ModelRunner(*runner_args, **runner_kwargs)
     use_graphs = device.type == "cuda" and not config.enforce_eager
     graph_sizes = graph_batch_sizes(config.max_num_seqs)
+    if group is not None:
+        group.wait_all()  # every rank loaded (unevenly, maybe slowly): collectives from here
     num_blocks = plan_num_blocks(config, runner, max_model_len,
                                  graph_sizes if use_graphs else None)
     if group is not None:  # every rank's pool is the size the smallest can hold

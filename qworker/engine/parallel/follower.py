@@ -66,9 +66,18 @@ def _run(args: FollowerArgs, conn: Connection) -> None:
     from qworker.engine.parallel.group import RankGroup
 
     device = torch.device("cuda", args.rank) if args.device_type == "cuda" else torch.device("cpu")
+    _tell(conn, "joining", None)
     store = dist.TCPStore("127.0.0.1", args.store_port, args.world_size, is_master=False,
                           timeout=datetime.timedelta(seconds=args.timeout_s))
     group = RankGroup.join(args.rank, args.world_size, store, device, args.timeout_s)
+
+    def rendezvous() -> None:  # rank 0 answers "go" once every rank reported "loaded"
+        _tell(conn, "loaded", None)
+        command, _ = _control(conn.recv_bytes())
+        if command != "go":
+            raise RuntimeError(f"expected 'go' from rank 0, got {command!r}")
+
+    group.rendezvous = rendezvous
     while True:
         command, arg = _control(conn.recv_bytes())
         if command == "shutdown":
@@ -78,6 +87,10 @@ def _run(args: FollowerArgs, conn: Connection) -> None:
         if _serve_engine(arg, group, conn) == "shutdown":
             break
     group.leave()
+
+
+def _tell(conn: Connection, kind: str, what: Any) -> None:
+    conn.send_bytes(pickle.dumps((kind, what)))
 
 
 def _control(data: bytes) -> tuple[str, Any]:
@@ -96,11 +109,11 @@ def _serve_engine(config: Any, group: Any, conn: Connection) -> str:
     try:
         parts = build_runner(config, group)
     except Exception as exc:
-        conn.send_bytes(pickle.dumps(("error", " ".join(str(exc).split())[:500])))
+        _tell(conn, "error", " ".join(str(exc).split())[:500])
         raise
     runner = parts.runner
     assert isinstance(runner, ParallelModelRunner)
-    conn.send_bytes(pickle.dumps(("ready", parts.weight_bytes)))
+    _tell(conn, "ready", parts.weight_bytes)
     del parts
     payload = torch.zeros(1 << 12, dtype=torch.int64)
     prev = torch.zeros(0, dtype=torch.int64, device=runner.device)

@@ -10,6 +10,7 @@ order: rank 0's engine thread and each follower's main loop are the only callers
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,9 @@ class RankGroup:
     world_size: int
     device: torch.device
     host_group: Any  # the gloo group for host tensors (the default group on the CPU)
+    #: Waits, over the pipes rather than a collective (so with no timeout but the ranks'
+    #: liveness), until every rank reached the same point: set by launcher and follower.
+    rendezvous: Callable[[], None] | None = None
 
     @classmethod
     def join(cls, rank: int, world_size: int, store: dist.Store, device: torch.device,
@@ -45,6 +49,12 @@ class RankGroup:
                                 device_id=device if cuda else None)
         host = dist.new_group(backend="gloo", timeout=timeout) if cuda else dist.group.WORLD
         return cls(rank, world_size, device, host)
+
+    def wait_all(self) -> None:
+        """Block until every rank got here (after loading, which may take long and
+        unevenly: collectives time out after ``tensor_parallel_timeout``)."""
+        if self.rendezvous is not None:
+            self.rendezvous()
 
     @property
     def shard(self) -> ShardInfo:

@@ -26,6 +26,7 @@ import logging
 import pickle
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -43,6 +44,9 @@ logger = logging.getLogger(__name__)
 
 _STEP = b"S"
 _JOIN_POLL_S = 0.2
+#: How long rank 0 waits for a follower to start, or to load its shard (the ranks load
+#: side by side; a slow disk or a 70B shard takes minutes). Liveness is checked meanwhile.
+_SETUP_WAIT_S = 1800.0
 
 
 @dataclass(slots=True)
@@ -104,11 +108,14 @@ class TensorParallelGroup:
                 process.start()
                 theirs.close()  # only the follower holds its end: its death closes the pipe
                 followers.append(_Follower(rank, process, ours))
+            for f in followers:  # started (torch imported): the rendezvous is quick now
+                _expect(f, "joining", time.monotonic() + _SETUP_WAIT_S)
             rank0 = RankGroup.join(0, world_size, store, device, timeout_s)
         except BaseException:
             _kill(followers)
             raise
         group = cls(rank0, followers, timeout_s, store)
+        rank0.rendezvous = group._rendezvous
         logger.info("tensor parallel: %d ranks on %s (%s) joined in %.1fs", world_size,
                     device.type, "nccl" if device.type == "cuda" else "gloo",
                     time.perf_counter() - started)
@@ -139,25 +146,28 @@ class TensorParallelGroup:
     def finish_setup(self) -> list[int]:
         """Wait for every follower to report its shard ready; returns each follower's
         weight bytes (rank order). Raises ``EngineDeadError`` when one failed."""
-        sizes = []
-        for f in self.followers:
-            reply = self._reply(f)
-            if reply[0] != "ready":
-                raise self.failure(RuntimeError(f"rank {f.rank} could not set up: {reply[1]}"))
-            sizes.append(int(reply[1]))
-        return sizes
+        deadline = time.monotonic() + _SETUP_WAIT_S
+        return [int(self._expect(f, "ready", deadline)) for f in self.followers]
 
-    def _reply(self, f: _Follower) -> tuple[str, Any]:
-        deadline = time.monotonic() + self.timeout_s
-        while time.monotonic() < deadline:
-            if f.conn.poll(_JOIN_POLL_S):
-                try:
-                    return pickle.loads(f.conn.recv_bytes())
-                except (EOFError, OSError):
-                    break
-            if not f.process.is_alive():
-                break
-        raise self.failure()
+    def _rendezvous(self) -> None:
+        """Every follower loaded its shard (rank 0 has too): let them all go on."""
+        deadline = time.monotonic() + _SETUP_WAIT_S
+        for f in self.followers:
+            self._expect(f, "loaded", deadline)
+        self._control("go", None)
+
+    def _expect(self, f: _Follower, kind: str, deadline: float) -> Any:
+        try:
+            return _expect(f, kind, deadline)
+        except EngineDeadError as exc:
+            raise self.failure(exc) from exc
+
+    @contextlib.contextmanager
+    def stepping(self) -> Iterator[None]:
+        """Held around one step on rank 0 (shipping and collectives): ``shutdown`` then
+        knows not to tear the process group down under it."""
+        with self._lock:
+            yield
 
     def setup_failed(self, exc: BaseException) -> BaseException:
         """Rank 0's setup raised ``exc``: the followers are somewhere in theirs, so the
@@ -180,14 +190,14 @@ class TensorParallelGroup:
     # ---- steps -------------------------------------------------------------------------
 
     def send_header(self, header: bytes) -> None:
-        """Wake every follower with the next step's header (``wire.Header``)."""
+        """Wake every follower with the next step's header (``wire.Header``); inside
+        ``stepping``."""
         if self.broken is not None:
             raise self.broken
-        with self._lock:
-            for f in self.followers:
-                if not f.process.is_alive():
-                    raise self.failure()
-                f.conn.send_bytes(_STEP + header)
+        for f in self.followers:
+            if not f.process.is_alive():
+                raise self.failure()
+            f.conn.send_bytes(_STEP + header)
 
     def failure(self, exc: BaseException | None = None) -> EngineDeadError:
         """The ``EngineDeadError`` that ends this group, naming the ranks that died (marks
@@ -248,6 +258,29 @@ class TensorParallelGroup:
                     f.conn.send_bytes(message)
                 except OSError as exc:
                     raise self.failure(exc) from exc
+
+
+def _expect(f: _Follower, kind: str, deadline: float) -> Any:
+    """The next message of follower ``f``, which must be ``kind`` (its payload returned);
+    ``EngineDeadError`` when it reports an error, dies or stays silent past ``deadline``."""
+    while time.monotonic() < deadline:
+        if f.conn.poll(_JOIN_POLL_S):
+            try:
+                got, what = pickle.loads(f.conn.recv_bytes())
+            except (EOFError, OSError):
+                break
+            if got == kind:
+                return what
+            raise EngineDeadError(f"tensor-parallel rank {f.rank}: {what}" if got == "error"
+                                  else f"tensor-parallel rank {f.rank} sent {got!r}, "
+                                  f"expected {kind!r}")
+        if not f.process.is_alive():
+            break
+    if f.process.is_alive():
+        raise EngineDeadError(f"tensor-parallel rank {f.rank} did not answer ({kind})")
+    f.process.join(1.0)
+    raise EngineDeadError(f"tensor-parallel rank {f.rank} (pid {f.process.pid}) "
+                          f"{_describe_exit(f.process.exitcode)}")
 
 
 def _kill(followers: list[_Follower]) -> None:

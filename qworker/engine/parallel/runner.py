@@ -12,6 +12,7 @@ step, so it fails the engine (``EngineDeadError``), as does a rank that died.
 from __future__ import annotations
 
 import logging
+from contextlib import AbstractContextManager
 from typing import Protocol
 
 import numpy as np
@@ -28,6 +29,9 @@ logger = logging.getLogger(__name__)
 
 class StepLink(Protocol):
     """Rank 0's line to the followers (``launcher.TensorParallelGroup``)."""
+
+    def stepping(self) -> AbstractContextManager[None]:
+        """Held around the shipping and the collectives of one step."""
 
     def send_header(self, header: bytes) -> None:
         """Wake every follower with the next step's header (raises when one is gone)."""
@@ -104,11 +108,13 @@ class ParallelModelRunner(ModelRunner):
             self.inputs.table_log.clear()
             self._ops.clear()
             try:
-                link.send_header(header.to_bytes())
-                self.group.broadcast_host(torch.from_numpy(self._payload[: header.payload_len]))
-                if prev is not None:
-                    self.group.broadcast_device(prev)
-                return self.forward(prepared)
+                with link.stepping():
+                    link.send_header(header.to_bytes())
+                    self.group.broadcast_host(
+                        torch.from_numpy(self._payload[: header.payload_len]))
+                    if prev is not None:
+                        self.group.broadcast_device(prev)
+                    return self.forward(prepared)
             except EngineDeadError as exc:
                 self.broken = exc
                 raise

@@ -9,6 +9,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -70,3 +71,26 @@ def test_a_rank_killed_mid_step_exits_70_and_hands_every_unfinished_job_back(
     final = read_results(out)  # asserts one result per custom_id
     assert set(final) == {j["custom_id"] for j in jobs}
     assert all(final[k] == v for k, v in served.items())
+
+
+def test_a_hung_rank_fails_the_engine_at_the_collective_timeout_and_close_reaps_it(
+        tiny_llama_dir: Path) -> None:
+    from qworker import LLM, SamplingParams
+    from qworker.errors import EngineDeadError
+
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", num_kv_blocks=32,
+              max_model_len=128, tensor_parallel_size=2, tensor_parallel_timeout=5)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    try:
+        assert llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
+        (rank,) = _ranks()
+        os.kill(rank.pid or 0, signal.SIGSTOP)  # alive, but answers no collective
+        started = time.monotonic()
+        with pytest.raises(EngineDeadError, match="collective failed"):
+            llm.generate([[8, 9, 10]], params, use_tqdm=False)
+        assert 4 < time.monotonic() - started < 60
+        with pytest.raises(EngineDeadError):  # no later step runs on a broken group
+            llm.generate([[8, 9, 10]], params, use_tqdm=False)
+    finally:
+        llm.close()
+    assert not rank.is_alive() and _ranks() == []
