@@ -218,6 +218,13 @@ class Engine:
                 ),
             )
 
+    def failed(self) -> str | None:
+        """Why the engine can never step again (a tensor-parallel rank died or hung), or
+        None (any thread; the worker's watchdog polls it)."""
+        group = self.tp_group
+        broken = group.broken if group is not None else None
+        return str(broken) if broken is not None else None
+
     def close(self) -> None:
         """Stop the engine's other tensor-parallel ranks (release a group it was given);
         nothing to do with one rank. Any thread; the engine cannot step afterwards."""

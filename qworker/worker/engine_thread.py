@@ -51,6 +51,7 @@ class EngineLike(Protocol):
     def has_unfinished(self) -> bool: ...
     def stats(self) -> EngineStats: ...
     def close(self) -> None: ...
+    def failed(self) -> str | None: ...
 
 
 class EngineThread:
@@ -192,10 +193,15 @@ class EngineThread:
 
 async def watchdog(thread: EngineThread, step_timeout: float,
                    on_failure: Callable[[str], None], interval: float = 0.5) -> None:
-    """Call ``on_failure(why)`` once, and return, when ``thread`` died or one step has run
-    longer than ``step_timeout`` seconds (0 disables that check); docs/operations.md."""
+    """Call ``on_failure(why)`` once, and return, when ``thread`` died, its engine says it
+    can never step again (a tensor-parallel rank died), or one step has run longer than
+    ``step_timeout`` seconds (0 disables that check); docs/operations.md."""
     while True:
         await asyncio.sleep(interval)
+        dead = thread.engine.failed()
+        if dead is not None:
+            on_failure(f"the engine failed: {dead}")
+            return
         if not thread.alive:
             cause = thread.died_of
             on_failure("the engine thread died" + (f" ({cause})" if cause is not None else ""))

@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -116,6 +116,7 @@ class TensorParallelGroup:
             raise
         group = cls(rank0, followers, timeout_s, store)
         rank0.rendezvous = group._rendezvous
+        threading.Thread(target=group._watch, name="qworker-tp-watch", daemon=True).start()
         logger.info("tensor parallel: %d ranks on %s (%s) joined in %.1fs", world_size,
                     device.type, "nccl" if device.type == "cuda" else "gloo",
                     time.perf_counter() - started)
@@ -216,6 +217,16 @@ class TensorParallelGroup:
         self.broken = EngineDeadError(why)
         logger.error("%s", why)
         return self.broken
+
+    def _watch(self) -> None:
+        """Mark the group broken as soon as a follower exits unasked: a step blocked in a
+        collective (NCCL does not notice a dead peer) may never return, but the worker's
+        watchdog reads ``broken`` (``Engine.failed``) and stops with exit 70 at once."""
+        sentinels = [f.process.sentinel for f in self.followers]
+        while not self.closed:
+            if wait(sentinels, timeout=1.0) and not self.closed:
+                self.failure()
+                return
 
     # ---- ending ----------------------------------------------------------------------
 
