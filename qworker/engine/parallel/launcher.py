@@ -81,6 +81,7 @@ class TensorParallelGroup:
         self.closed = False
         self.in_use = False
         self._lock = threading.Lock()
+        self._failing = threading.Lock()  # one verdict when several threads see the death
 
     @classmethod
     def start(cls, world_size: int, device: torch.device, timeout_s: float = 600.0
@@ -203,8 +204,12 @@ class TensorParallelGroup:
     def failure(self, exc: BaseException | None = None) -> EngineDeadError:
         """The ``EngineDeadError`` that ends this group, naming the ranks that died (marks
         the group broken; ``shutdown`` still has to run)."""
-        if self.broken is not None:
-            return self.broken
+        with self._failing:
+            if self.broken is None:
+                self.broken = self._verdict(exc)
+        return self.broken
+
+    def _verdict(self, exc: BaseException | None) -> EngineDeadError:
         time.sleep(0.1)  # a rank that just died: let its exit status arrive
         dead = [f"rank {f.rank} (pid {f.process.pid}) {_describe_exit(f.process.exitcode)}"
                 for f in self.followers if not f.process.is_alive()]
@@ -214,9 +219,8 @@ class TensorParallelGroup:
             why = "a tensor-parallel collective failed (a rank hung or left)"
         if exc is not None:
             why += f": {' '.join(str(exc).split())[:300]}"
-        self.broken = EngineDeadError(why)
         logger.error("%s", why)
-        return self.broken
+        return EngineDeadError(why)
 
     def _watch(self) -> None:
         """Mark the group broken as soon as a follower exits unasked: a step blocked in a
