@@ -19,12 +19,26 @@ import pickle
 import sys
 import traceback
 from dataclasses import dataclass
+from enum import StrEnum
 from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 
 CONTROL = b"C"
+
+
+class Message(StrEnum):
+    """The pipe messages between rank 0 and a follower (besides step headers)."""
+
+    JOINING = "joining"  # follower: started, joining the process group
+    SETUP = "setup"  # rank 0: build your shard of this engine config
+    LOADED = "loaded"  # follower: shard loaded, waiting for GO
+    GO = "go"  # rank 0: every rank loaded, go on with the setup
+    READY = "ready"  # follower: set up (with its weight bytes), serving steps
+    ERROR = "error"  # follower: setup failed (with the reason), exiting
+    RELEASE = "release"  # rank 0: the engine is closed, drop the shard
+    SHUTDOWN = "shutdown"  # rank 0: exit
 
 logger = logging.getLogger(__name__)
 
@@ -66,25 +80,25 @@ def _run(args: FollowerArgs, conn: Connection) -> None:
     from qworker.engine.parallel.group import RankGroup
 
     device = torch.device("cuda", args.rank) if args.device_type == "cuda" else torch.device("cpu")
-    _tell(conn, "joining", None)
+    _tell(conn, Message.JOINING, None)
     store = dist.TCPStore("127.0.0.1", args.store_port, args.world_size, is_master=False,
                           timeout=datetime.timedelta(seconds=args.timeout_s))
     group = RankGroup.join(args.rank, args.world_size, store, device, args.timeout_s)
 
-    def rendezvous() -> None:  # rank 0 answers "go" once every rank reported "loaded"
-        _tell(conn, "loaded", None)
+    def rendezvous() -> None:  # rank 0 answers GO once every rank reported LOADED
+        _tell(conn, Message.LOADED, None)
         command, _ = _control(conn.recv_bytes())
-        if command != "go":
+        if command != Message.GO:
             raise RuntimeError(f"expected 'go' from rank 0, got {command!r}")
 
     group.rendezvous = rendezvous
     while True:
         command, arg = _control(conn.recv_bytes())
-        if command == "shutdown":
+        if command == Message.SHUTDOWN:
             break
-        if command != "setup":
+        if command != Message.SETUP:
             raise RuntimeError(f"unexpected control message {command!r} between engines")
-        if _serve_engine(arg, group, conn) == "shutdown":
+        if _serve_engine(arg, group, conn) == Message.SHUTDOWN:
             break
     group.leave()
 
@@ -109,11 +123,11 @@ def _serve_engine(config: Any, group: Any, conn: Connection) -> str:
     try:
         parts = build_runner(config, group)
     except Exception as exc:
-        _tell(conn, "error", " ".join(str(exc).split())[:500])
+        _tell(conn, Message.ERROR, " ".join(str(exc).split())[:500])
         raise
     runner = parts.runner
     assert isinstance(runner, ParallelModelRunner)
-    _tell(conn, "ready", parts.weight_bytes)
+    _tell(conn, Message.READY, parts.weight_bytes)
     del parts
     payload = torch.zeros(1 << 12, dtype=torch.int64)
     prev = torch.zeros(0, dtype=torch.int64, device=runner.device)

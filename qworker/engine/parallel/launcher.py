@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from qworker.engine.parallel.follower import CONTROL, FollowerArgs, main
+from qworker.engine.parallel.follower import CONTROL, FollowerArgs, Message, main
 from qworker.engine.parallel.group import RankGroup
 from qworker.errors import EngineDeadError
 
@@ -110,7 +110,7 @@ class TensorParallelGroup:
                 theirs.close()  # only the follower holds its end: its death closes the pipe
                 followers.append(_Follower(rank, process, ours))
             for f in followers:  # started (torch imported): the rendezvous is quick now
-                _expect(f, "joining", time.monotonic() + _SETUP_WAIT_S)
+                _expect(f, Message.JOINING, time.monotonic() + _SETUP_WAIT_S)
             rank0 = RankGroup.join(0, world_size, store, device, timeout_s)
         except BaseException:
             _kill(followers)
@@ -143,22 +143,22 @@ class TensorParallelGroup:
         if self.in_use:
             raise ValueError("this tensor-parallel group already serves an engine")
         self.in_use = True
-        self._control("setup", config)
+        self._control(Message.SETUP, config)
 
     def finish_setup(self) -> list[int]:
         """Wait for every follower to report its shard ready; returns each follower's
         weight bytes (rank order). Raises ``EngineDeadError`` when one failed."""
         deadline = time.monotonic() + _SETUP_WAIT_S
-        return [int(self._expect(f, "ready", deadline)) for f in self.followers]
+        return [int(self._expect(f, Message.READY, deadline)) for f in self.followers]
 
     def _rendezvous(self) -> None:
         """Every follower loaded its shard (rank 0 has too): let them all go on."""
         deadline = time.monotonic() + _SETUP_WAIT_S
         for f in self.followers:
-            self._expect(f, "loaded", deadline)
-        self._control("go", None)
+            self._expect(f, Message.LOADED, deadline)
+        self._control(Message.GO, None)
 
-    def _expect(self, f: _Follower, kind: str, deadline: float) -> Any:
+    def _expect(self, f: _Follower, kind: Message, deadline: float) -> Any:
         try:
             return _expect(f, kind, deadline)
         except EngineDeadError as exc:
@@ -180,7 +180,7 @@ class TensorParallelGroup:
             try:
                 while f.conn.poll(0):
                     kind, what = pickle.loads(f.conn.recv_bytes())
-                    if kind == "error":
+                    if kind == Message.ERROR:
                         reports.append(f"rank {f.rank}: {what}")
             except (EOFError, OSError):
                 continue
@@ -238,7 +238,7 @@ class TensorParallelGroup:
         """The engine is done: followers drop their shard and wait for the next setup."""
         if self.in_use and not self.closed and self.broken is None:
             self.in_use = False
-            self._control("release", None)
+            self._control(Message.RELEASE, None)
 
     def shutdown(self, grace_s: float = 5.0) -> None:
         """Stop every follower (asked first, killed after ``grace_s``) and leave the group.
@@ -251,7 +251,7 @@ class TensorParallelGroup:
             if got and self.broken is None:
                 for f in self.followers:
                     with contextlib.suppress(OSError):
-                        f.conn.send_bytes(CONTROL + pickle.dumps(("shutdown", None)))
+                        f.conn.send_bytes(CONTROL + pickle.dumps((Message.SHUTDOWN, None)))
             deadline = time.monotonic() + (grace_s if got and self.broken is None else 0.0)
             for f in self.followers:
                 f.process.join(max(0.0, deadline - time.monotonic()))
@@ -265,7 +265,7 @@ class TensorParallelGroup:
                 self._lock.release()
         logger.info("tensor parallel: %d ranks shut down", self.world_size)
 
-    def _control(self, command: str, arg: Any) -> None:
+    def _control(self, command: Message, arg: Any) -> None:
         message = CONTROL + pickle.dumps((command, arg))
         with self._lock:
             for f in self.followers:
@@ -275,7 +275,7 @@ class TensorParallelGroup:
                     raise self.failure(exc) from exc
 
 
-def _expect(f: _Follower, kind: str, deadline: float) -> Any:
+def _expect(f: _Follower, kind: Message, deadline: float) -> Any:
     """The next message of follower ``f``, which must be ``kind`` (its payload returned);
     ``EngineDeadError`` when it reports an error, dies or stays silent past ``deadline``."""
     while time.monotonic() < deadline:
@@ -286,7 +286,7 @@ def _expect(f: _Follower, kind: str, deadline: float) -> Any:
                 break
             if got == kind:
                 return what
-            raise EngineDeadError(f"tensor-parallel rank {f.rank}: {what}" if got == "error"
+            raise EngineDeadError(f"tensor-parallel rank {f.rank}: {what}" if got == Message.ERROR
                                   else f"tensor-parallel rank {f.rank} sent {got!r}, "
                                   f"expected {kind!r}")
         if not f.process.is_alive():
