@@ -150,6 +150,14 @@ def test_seeded_sampling_and_overlapped_steps_match_one_rank(
         assert pair.tp2.engine.num_overlapped_steps > 0
 
 
+def test_beam_search_matches_one_rank(group: TensorParallelGroup, tiny_llama_dir: Path) -> None:
+    prompts = random_prompts(2, 4, 12, seed=9)
+    with _Pair(group, tiny_llama_dir) as pair:
+        one = pair.tp1.beam_search(prompts, beam_width=3, max_tokens=6)
+        two = pair.tp2.beam_search(prompts, beam_width=3, max_tokens=6)
+        assert _tokens(two) == _tokens(one) and len(two[0].outputs) == 3
+
+
 def test_structured_outputs_with_seeds_match_one_rank(
         group: TensorParallelGroup, tiny_chat_model_dir: Path) -> None:
     pytest.importorskip("llguidance")
