@@ -233,12 +233,15 @@ def _generate(args: argparse.Namespace, settings: WorkerSettings) -> int:
               f"{args.output}", file=sys.stderr)
     print(f"generate: loading model {settings.model}", file=sys.stderr)
     engine = build_engine(settings)
-    with local_path(args.input, settings) as path, \
-            open_output(args.output, settings, append=args.resume) as out:
-        stats = _off_main_thread(
-            lambda: generate_file(engine, path, out, args.window, settings.max_job_bytes,
-                                  skip_ids=skip_ids, skip_lines=skip_lines)
-        )
+    try:
+        with local_path(args.input, settings) as path, \
+                open_output(args.output, settings, append=args.resume) as out:
+            stats = _off_main_thread(
+                lambda: generate_file(engine, path, out, args.window, settings.max_job_bytes,
+                                      skip_ids=skip_ids, skip_lines=skip_lines)
+            )
+    finally:
+        engine.close()
     print(
         f"generate: wrote {stats.ok + stats.errors} lines to {args.output} "
         f"({stats.ok} ok, {stats.errors} errors) in {stats.elapsed:.1f}s",

@@ -43,3 +43,11 @@ class ModelLoadError(QworkerError, ValueError):
     """The model directory, weights or architecture cannot be loaded."""
 
     code = "engine_error"
+
+
+class EngineDeadError(EngineError):
+    """The engine cannot step again: a tensor-parallel rank died or hung past its timeout.
+
+    Unlike a failed step, nothing about the jobs in it is to blame; the worker stops
+    with exit 70 and hands every job back (docs/operations.md, "Engine failures").
+    """

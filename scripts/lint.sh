@@ -97,7 +97,8 @@ elif command -v kustomize >/dev/null 2>&1; then
 fi
 render() {
     local dir
-    for dir in deploy/k8s/overlays/kafka deploy/k8s/overlays/sqs deploy/k8s/karpenter; do
+    for dir in deploy/k8s/overlays/kafka deploy/k8s/overlays/sqs deploy/k8s/karpenter \
+        deploy/k8s/overlays/sqs-tensor-parallel deploy/k8s/karpenter-multi-gpu; do
         "${kustomize_cmd[@]}" "$dir" >"$RENDERED/$(basename "$dir").yaml" || return 1
     done
 }

@@ -101,6 +101,13 @@ class EngineConfig:
         "for the packed matmuls (their threads share work, so one the OS parks delays "
         "nothing) and one fewer for torch's other ops, a core left to the worker's event "
         "loop (at least 1)", unit="threads")
+    tensor_parallel_size: int = knob(
+        1, "ranks the model is split over, one process each (torch.distributed: NCCL over "
+        "cuda:0..N-1, gloo on the CPU); heads, KV heads and the MLP width must divide evenly "
+        "(KV heads may instead be fewer, and are then replicated)", unit="ranks")
+    tensor_parallel_timeout: float = knob(
+        600.0, "tensor parallelism: a collective waiting longer than this for another rank "
+        "fails the engine (a hung rank; exit 70 under the worker)", unit="seconds")
     served_model_name: str | None = knob(
         None, "the model name results report; default: the model dir's or hub id's last part")
     load_format: str = knob("auto", "how weights are read; dummy = only config.json, random "
@@ -187,6 +194,13 @@ def check_knob(name: str, value: Any) -> Any:
         value, bool
     ):
         raise ValueError(f"{name} must be true or false, got {value!r}")
+    if name == "tensor_parallel_size" and (not _is_int(value) or value < 1):
+        raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {value!r}")
+    if name == "tensor_parallel_timeout" and not (
+        isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+    ):
+        raise ValueError(f"tensor_parallel_timeout must be a number of seconds > 0, "
+                         f"got {value!r}")
     if name == "seed" and not _is_int(value):
         raise ValueError(f"seed must be an integer, got {value!r}")
     if name in ("served_model_name", "tokenizer", "model_cache") and value is not None and (

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,9 +39,19 @@ logger = logging.getLogger(__name__)
 class Engine:
     """A continuously batched, paged-KV generator (the Python API of README.md)."""
 
-    def __init__(self, config: EngineConfig, kernels: KernelRunner | None = None) -> None:
-        # kernels: tests run the CUDA backend's kernels through the CPU emulator this way
-        parts: EngineParts = build_engine_parts(config, kernels)
+    def __init__(self, config: EngineConfig, kernels: KernelRunner | None = None,
+                 tp_group: Any = None) -> None:
+        """Build the engine ``config`` describes. ``kernels``: tests run the CUDA backend's
+        kernels through the CPU emulator this way. ``tp_group``: a running
+        ``qworker.engine.parallel.launcher.TensorParallelGroup`` to serve on (the caller
+        keeps it: ``close`` only releases it); by default a ``tensor_parallel_size > 1``
+        engine starts its own and shuts it down on ``close``, or at exit."""
+        parts: EngineParts = build_engine_parts(config, tp_group, kernels)
+        self.tp_group = parts.tp_group
+        self._close_group: Any = None
+        if self.tp_group is not None:
+            self._close_group = (self.tp_group.release if tp_group is not None else
+                                 weakref.finalize(self, self.tp_group.shutdown))
         self.config = config
         self.tokenizer = parts.tokenizer
         self.model_name = served_model_name(config)
@@ -210,6 +221,20 @@ class Engine:
                     self.kv.blocks_for(len(r.prompt_token_ids)) for r in self._inbox
                 ),
             )
+
+    def failed(self) -> str | None:
+        """Why the engine can never step again (a tensor-parallel rank died or hung), or
+        None (any thread; the worker's watchdog polls it)."""
+        group = self.tp_group
+        broken = group.broken if group is not None else None
+        return str(broken) if broken is not None else None
+
+    def close(self) -> None:
+        """Stop the engine's other tensor-parallel ranks (release a group it was given);
+        nothing to do with one rank. Any thread; the engine cannot step afterwards."""
+        close, self._close_group = self._close_group, None
+        if close is not None:
+            close()
 
     # ---- engine thread -------------------------------------------------------------
 

@@ -19,7 +19,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,6 +40,9 @@ from qworker.models import cpu_gemm, fused_kernels
 from qworker.models.base import ModelSpec
 from qworker.models.quant import weight_bytes
 
+if TYPE_CHECKING:
+    from qworker.models.loader import LoadedModel
+
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -59,6 +62,7 @@ class EngineParts:
     outputs: OutputProcessor
     max_concurrent_full_length_seqs: int
     selftest: SelftestReport
+    tp_group: Any = None  # the TensorParallelGroup with tensor_parallel_size > 1
 
 
 def resolve_device(name: str) -> torch.device:
@@ -102,30 +106,100 @@ def default_cpu_threads() -> int:
     return max(1, available_cores() - 1)
 
 
-def build_engine_parts(config: EngineConfig, kernels: KernelRunner | None = None) -> EngineParts:
+@dataclass(slots=True)
+class RunnerParts:
+    """What every rank builds (``build_runner``): the model and its runner over a pool of
+    ``num_blocks`` blocks (plus ``num_swap`` host blocks); ``weight_bytes`` of parameters as
+    stored (this rank's shard under tensor parallelism); the kernel self-test's report."""
+
+    loaded: LoadedModel
+    runner: ModelRunner
+    max_model_len: int
+    num_blocks: int
+    num_swap: int
+    weight_bytes: int
+    selftest: SelftestReport
+
+
+def build_engine_parts(config: EngineConfig, tp_group: Any = None,
+                       kernels: KernelRunner | None = None) -> EngineParts:
     """Load the model and tokenizer, size the pool, and wire the engine's parts.
 
-    ``kernels`` (tests) runs the CUDA attention backend through another kernel runner, the
-    CPU emulator of ``tests/attention/emulator``, on any device (self-test included)."""
-    from qworker.models.loader import load_model, load_tokenizer
+    With ``tensor_parallel_size > 1`` the other ranks are started first (or ``tp_group``,
+    a ``qworker.engine.parallel.launcher.TensorParallelGroup``, is used) and build their
+    shards beside this one (docs/operations.md, "Tensor parallelism"). ``kernels`` (tests)
+    runs the CUDA attention backend through another kernel runner, the CPU emulator of
+    ``tests/attention/emulator``, on any device (self-test included).
+    """
+    from qworker.models.loader import load_tokenizer
+
+    check_config(config)
+    group = None
+    rank_config = config
+    if config.tensor_parallel_size > 1:
+        from qworker.engine.parallel.setup import start_ranks
+
+        group, rank_config = start_ranks(config, tp_group)
+    try:
+        built = build_runner(rank_config, group.rank0 if group is not None else None, kernels)
+        if group is not None:
+            follower_bytes = group.finish_setup()
+            from qworker.engine.parallel.setup import lead
+
+            lead(built, group, follower_bytes)
+    except BaseException as exc:
+        if group is not None:
+            raise group.setup_failed(exc) from exc
+        raise
+    loaded, runner, max_model_len = built.loaded, built.runner, built.max_model_len
+    spec = loaded.spec
+    cache = Path(config.model_cache) if config.model_cache else None
+    tokenizer = load_tokenizer(config.tokenizer or loaded.source, cache_dir=cache)
+    num_blocks, bs = built.num_blocks, config.block_size
+    kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, built.num_swap)
+    scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens,
+                          config.preemption_mode)
+    eos = list(spec.eos_token_ids)
+    return EngineParts(
+        tokenizer=tokenizer,
+        spec=spec,
+        max_model_len=max_model_len,
+        runner=runner,
+        kv=kv,
+        scheduler=scheduler,
+        sampler=Sampler(runner.device, tokenizer, spec.vocab_size, eos),
+        outputs=OutputProcessor(tokenizer, eos, max_model_len),
+        max_concurrent_full_length_seqs=num_blocks // -(-max_model_len // bs),
+        selftest=built.selftest,
+        tp_group=group,
+    )
+
+
+def build_runner(config: EngineConfig, group: Any = None,
+                 kernels: KernelRunner | None = None) -> RunnerParts:
+    """Load the model (``group``: this rank's shard) and size its pool: the part of the
+    setup every tensor-parallel rank runs, side by side (``qworker.engine.parallel``)."""
+    from qworker.models.loader import load_model
 
     started = time.perf_counter()
-    check_config(config)
-    device = resolve_device(config.device)
+    world = group.world_size if group is not None else 1
+    device = group.device if group is not None else resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     if config.seed is not None:
         torch.manual_seed(config.seed)
+    share = max(1, available_cores() // world)  # the cores of one rank
     if device.type == "cpu":
-        threads = config.cpu_threads or default_cpu_threads()
+        threads = config.cpu_threads or max(1, share - 1)
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
     cache = Path(config.model_cache) if config.model_cache else None
     loaded = load_model(config.model, dtype, device, cache_dir=cache,
-                        load_format=config.load_format, quantization=config.quantization)
+                        load_format=config.load_format, quantization=config.quantization,
+                        shard=group.shard if group is not None else None)
     spec = loaded.spec
-    logger.info("weights: %.1f MiB as stored (quantization=%s)",
-                weight_bytes(loaded.model) / 2**20, config.quantization)
-    tokenizer = load_tokenizer(config.tokenizer or loaded.source, cache_dir=cache)
+    stored_bytes = weight_bytes(loaded.model)
+    logger.info("weights: %.1f MiB as stored (quantization=%s%s)", stored_bytes / 2**20,
+                config.quantization, f", rank {group.rank} of {world}" if group else "")
     max_model_len = config.max_model_len or spec.max_position_embeddings
     if max_model_len > spec.max_position_embeddings:
         raise ValueError(
@@ -147,7 +221,7 @@ def build_engine_parts(config: EngineConfig, kernels: KernelRunner | None = None
     if device.type == "cuda":
         fused_kernels.enable(fused)
     elif backend.name == "cpu" and spec.dtype == torch.float32:
-        gemm_threads = _pack_cpu_linears(loaded.model, config.cpu_threads or available_cores())
+        gemm_threads = _pack_cpu_linears(loaded.model, config.cpu_threads or share)
         logger.info("CPU threads: %d for torch's ops, %s for the packed matmuls",
                     torch.get_num_threads(), gemm_threads or "none (torch's matmul)")
     loaded_at = time.perf_counter()
@@ -155,14 +229,25 @@ def build_engine_parts(config: EngineConfig, kernels: KernelRunner | None = None
     blocks_per_seq = -(-max_model_len // bs)
     probe_blocks = -(-min(max_model_len, config.max_num_batched_tokens) // bs) + 1
     first_blocks = config.num_kv_blocks or probe_blocks
-    runner = ModelRunner(loaded.model, spec, device, bs, first_blocks, backend, kv_dtype,
-                         max_num_seqs=config.max_num_seqs,
-                         max_num_batched_tokens=config.max_num_batched_tokens,
-                         max_model_len=max_model_len)
+    runner_args = (loaded.model, spec, device, bs, first_blocks, backend, kv_dtype)
+    runner_kwargs: dict[str, Any] = {
+        "max_num_seqs": config.max_num_seqs,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "max_model_len": max_model_len}
+    if group is not None:
+        from qworker.engine.parallel.runner import ParallelModelRunner
+
+        runner: ModelRunner = ParallelModelRunner(*runner_args, group=group, **runner_kwargs)
+    else:
+        runner = ModelRunner(*runner_args, **runner_kwargs)
     use_graphs = device.type == "cuda" and not config.enforce_eager
     graph_sizes = graph_batch_sizes(config.max_num_seqs)
+    if group is not None:
+        group.wait_all()  # every rank loaded (unevenly, maybe slowly): collectives from here
     num_blocks = plan_num_blocks(config, runner, max_model_len,
                                  graph_sizes if use_graphs else None)
+    if group is not None:  # every rank's pool is the size the smallest can hold
+        num_blocks = group.agree_min(num_blocks)
     if config.num_kv_blocks is None:
         # Beyond every running sequence at full length twice over, blocks only serve the
         # prefix cache; millions of them (a tiny model on a big GPU) cost startup time.
@@ -191,30 +276,18 @@ def build_engine_parts(config: EngineConfig, kernels: KernelRunner | None = None
     num_swap = 0
     if config.preemption_mode == "swap":
         num_swap = max(0, config.swap_space // runner.bytes_per_block())
+        if group is not None:
+            num_swap = group.agree_min(num_swap)
         runner.attach_swap_pool(num_swap)
-    fit = num_blocks // blocks_per_seq
     logger.info(
         "KV pool: %d blocks of %d tokens (%.1f MiB) on %s; %d sequences of max_model_len=%d "
         "fit; attention backend %s; swap blocks %d",
-        num_blocks, bs, num_blocks * runner.bytes_per_block() / 2**20, device, fit,
-        max_model_len, selftest.attention_backend or backend.name, num_swap,
+        num_blocks, bs, num_blocks * runner.bytes_per_block() / 2**20, device,
+        num_blocks // blocks_per_seq, max_model_len, selftest.attention_backend or backend.name,
+        num_swap,
     )
-    kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, num_swap)
-    scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens,
-                          config.preemption_mode)
-    eos = list(spec.eos_token_ids)
-    return EngineParts(
-        tokenizer=tokenizer,
-        spec=spec,
-        max_model_len=max_model_len,
-        runner=runner,
-        kv=kv,
-        scheduler=scheduler,
-        sampler=Sampler(device, tokenizer, spec.vocab_size, eos),
-        outputs=OutputProcessor(tokenizer, eos, max_model_len),
-        max_concurrent_full_length_seqs=fit,
-        selftest=selftest,
-    )
+    return RunnerParts(loaded, runner, max_model_len, num_blocks, num_swap, stored_bytes,
+                       selftest)
 
 
 def _pack_cpu_linears(model: torch.nn.Module, threads: int) -> int:

@@ -33,6 +33,19 @@ class LLM:
         self.engine = Engine(EngineConfig(model=str(model), **kwargs))
         self._ids = itertools.count()
 
+    @classmethod
+    def from_engine(cls, engine: Engine) -> LLM:
+        """An ``LLM`` over an ``Engine`` built elsewhere (one given a tensor-parallel group
+        to share, say)."""
+        llm = cls.__new__(cls)
+        llm.engine = engine
+        llm._ids = itertools.count()
+        return llm
+
+    def close(self) -> None:
+        """Stop the engine's other tensor-parallel ranks (``Engine.close``)."""
+        self.engine.close()
+
     @property
     def tokenizer(self) -> Any | None:
         """The model's tokenizer, or None."""

@@ -13,6 +13,12 @@ A pinned buffer is rewritten only after the copies that read it have run (one CU
 event per step, normally long passed). Attention metadata is built here once per step
 and shared by every layer; it carries host copies of ``query_start_loc``/``seq_lens``
 so no backend reads them back.
+
+Tensor parallelism (``qworker.engine.parallel``) ships a built step to the other ranks
+as it sits in the host buffers: ``last_layout`` says where (and the host facts of its
+metadata), ``packed`` returns the used buffer parts, ``table_log`` records the block
+table's writes, and ``load_packed`` rebuilds the same ``PreparedStep`` from them in a
+follower's own buffers (where its CUDA graphs were captured).
 """
 
 from __future__ import annotations
@@ -63,6 +69,35 @@ class PreparedStep:
         return self.meta.num_decodes == self.meta.num_seqs
 
 
+@dataclass(slots=True)
+class StepLayout:
+    """Where a built step sits in the host buffers and the host facts of its metadata
+    (-1: absent); ``as_ints``/``from_ints`` carry it between ranks."""
+
+    num_tokens: int
+    num_seqs: int
+    num_decodes: int
+    n64: int  # int64 values used (ids, positions, slots, logits rows, feed)
+    n32: int  # int32 values used (query starts, sequence lengths)
+    width: int  # block-table columns the step needs
+    max_query_len: int
+    max_seq_len: int
+    num_rows: int  # logits rows sampled
+    logits_start: int  # where the logits row indices start (-1: every row samples)
+    feed_start: int  # where the fed-token indices start (-1: none)
+    num_fed: int
+    graph_size: int  # the CUDA graph bucket replayed (-1: eager)
+
+    def as_ints(self) -> list[int]:
+        """The fields in order."""
+        return [getattr(self, f) for f in self.__slots__]  # type: ignore[attr-defined]
+
+    @classmethod
+    def from_ints(cls, values: list[int]) -> StepLayout:
+        """The inverse of ``as_ints``."""
+        return cls(*values)
+
+
 _PAD_KEY = -2  # table key of graph padding rows: their slot is -1, their table row unused
 
 
@@ -99,6 +134,10 @@ class StepInputBuilder:
         self._pin = device.type == "cuda"
         self._copied: torch.cuda.Event | None = None
         self.generation = 0  # bumped whenever a buffer is reallocated (graphs go stale)
+        #: A list to record the block table's writes in (``(row, col, count, *ids)`` runs),
+        #: or None (tensor parallelism's leader sets it; ``load_packed`` replays them).
+        self.table_log: list[int] | None = None
+        self.last_layout: StepLayout | None = None
         self._alloc_flat(max(1, max_tokens), max(1, max_seqs))
         self._alloc_table(max(1, max_seqs), max(1, max_blocks))
 
@@ -149,6 +188,7 @@ class StepInputBuilder:
 
     def _update_table(self, tables: list[list[int]], keys: list[int] | None) -> None:
         table, row_key, row_len = self._ntable, self._row_key, self._row_len
+        log = self.table_log
         for i, ids in enumerate(tables):
             key = None if keys is None else keys[i]
             n = len(ids)
@@ -157,9 +197,13 @@ class StepInputBuilder:
                 if n > done:
                     table[i, done:n] = ids[done:]
                     row_len[i] = n
+                    if log is not None:
+                        log.extend((i, done, n - done, *ids[done:]))
             else:
                 table[i, :n] = ids
                 row_key[i], row_len[i] = key, n
+                if log is not None and n:
+                    log.extend((i, 0, n, *ids))
 
     # ---- the step ------------------------------------------------------------------------
 
@@ -231,33 +275,83 @@ class StepInputBuilder:
         h32 = self._n32
         h32[: num_seqs + 1] = qsl
         h32[num_seqs + 1 : 2 * num_seqs + 1] = seq_lens
-        n32 = 2 * num_seqs + 1
-        self._copy(end, n32, num_seqs)
+        layout = StepLayout(
+            num_tokens=num_tokens, num_seqs=num_seqs, num_decodes=num_decodes, n64=end,
+            n32=2 * num_seqs + 1, width=width,
+            max_query_len=int(q_lens.max()) if num_seqs else 0,
+            max_seq_len=int(seq_lens.max()) if num_seqs else 0,
+            num_rows=num_rows,
+            logits_start=-1 if logits_index is None else logits_index.start,
+            feed_start=-1 if feed is None else feed[0].start,
+            num_fed=0 if feed is None else feed[0].stop - feed[0].start,
+            graph_size=pad_to if pad_to is not None and pad_to == num_seqs else -1)
+        self.last_layout = layout
+        return self._finish(layout, qsl, seq_lens, prev_tokens)
 
+    def packed(self) -> tuple[np.ndarray, np.ndarray]:
+        """The int64 and int32 host values of the last step built (views: copy them before
+        the next step)."""
+        layout = self.last_layout
+        if layout is None:
+            raise RuntimeError("no step was built yet")
+        return self._n64[: layout.n64], self._n32[: layout.n32]
+
+    def load_packed(self, layout: StepLayout, n64: np.ndarray, n32: np.ndarray,
+                    table_runs: np.ndarray, prev_tokens: torch.Tensor | None = None
+                    ) -> PreparedStep:
+        """The ``PreparedStep`` another builder made (its ``last_layout``, ``packed``
+        values and ``table_log`` runs since its previous step), in this builder's buffers.
+
+        Buffers grow as the other builder's did (the same sizes arrive in the same order),
+        so its block-table rewrites after a growth land here too.
+        """
+        self._ensure(layout.num_tokens, layout.num_seqs, layout.width)
+        self._wait()
+        self._n64[: layout.n64] = n64
+        self._n32[: layout.n32] = n32
+        table, i, end = self._ntable, 0, len(table_runs)
+        while i < end:
+            row, col, count = (int(v) for v in table_runs[i : i + 3])
+            table[row, col : col + count] = table_runs[i + 3 : i + 3 + count]
+            i += 3 + count
+        s = layout.num_seqs
+        qsl = n32[: s + 1].astype(np.int64)
+        seq_lens = n32[s + 1 : 2 * s + 1].astype(np.int64)
+        self.last_layout = layout
+        return self._finish(layout, qsl, seq_lens, prev_tokens)
+
+    def _finish(self, layout: StepLayout, qsl: np.ndarray, seq_lens: np.ndarray,
+                prev_tokens: torch.Tensor | None) -> PreparedStep:
+        """Start the copies of a step written into the host buffers; its device views."""
+        t, num_seqs, n32 = layout.num_tokens, layout.num_seqs, layout.n32
+        self._copy(layout.n64, n32, num_seqs)
         d64, d32 = self._d64, self._d32
         input_ids = d64[:t]
-        if feed is not None and prev_tokens is not None:
-            input_ids.index_copy_(0, d64[feed[0]], prev_tokens.index_select(0, d64[feed[1]]))
+        if layout.num_fed and prev_tokens is not None:
+            fed, k = layout.feed_start, layout.num_fed
+            input_ids.index_copy_(0, d64[fed : fed + k],
+                                  prev_tokens.index_select(0, d64[fed + k : fed + 2 * k]))
         meta = AttentionMetadata(
             num_seqs=num_seqs,
-            num_tokens=num_tokens,
-            num_decodes=num_decodes,
+            num_tokens=t,
+            num_decodes=layout.num_decodes,
             query_start_loc=d32[: num_seqs + 1],
             seq_lens=d32[num_seqs + 1 : n32],
             block_tables=self._dtable[:num_seqs],
             slot_mapping=d64[2 * t : 3 * t],
-            max_query_len=int(q_lens.max()) if num_seqs else 0,
-            max_seq_len=int(seq_lens.max()) if num_seqs else 0,
+            max_query_len=layout.max_query_len,
+            max_seq_len=layout.max_seq_len,
             host_query_start_loc=qsl.tolist(),
             host_seq_lens=seq_lens.tolist(),
         )
+        rows = layout.logits_start
         return PreparedStep(
             input_ids=input_ids,
             positions=d64[t : 2 * t],
             meta=meta,
-            logits_index=None if logits_index is None else d64[logits_index],
-            num_logit_rows=num_rows,
-            graph_size=pad_to if pad_to is not None and pad_to == num_seqs else None,
+            logits_index=None if rows < 0 else d64[rows : rows + layout.num_rows],
+            num_logit_rows=layout.num_rows,
+            graph_size=None if layout.graph_size < 0 else layout.graph_size,
         )
 
     def _copy(self, n64: int, n32: int, num_seqs: int) -> None:

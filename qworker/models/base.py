@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from qworker.models.tp_plan import TPPlan
 
 
 @dataclass(slots=True)
@@ -39,6 +43,9 @@ class CausalLM(nn.Module, ABC):
     """
 
     spec: ModelSpec
+    #: How the model splits over tensor-parallel ranks (``qworker.models.tp_plan``);
+    #: None: not yet, so ``tensor_parallel_size`` must be 1.
+    tp_plan: ClassVar[TPPlan | None] = None
 
     @abstractmethod
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from qworker.models.base import CausalLM, ModelSpec
 from qworker.models.layers import FusedLinear, Linear, RMSNorm, activation
 from qworker.models.ops import gated_act, linear, rotate_qk
 from qworker.models.rope import RotaryEmbedding, original_max_positions
+from qworker.models.tp_plan import ShardKind, ShardRule, TPPlan
 from qworker.models.weights import StackedRule, check_all_loaded, load_weights
 
 #: The step's RoPE state: positions, cos/sin tables, and the cos/sin gathered at the first
@@ -206,6 +207,14 @@ class LlamaForCausalLM(CausalLM):
         (".gate_proj.", ".gate_up_proj.", "gate"),
         (".up_proj.", ".gate_up_proj.", "up"),
     ]
+    tp_plan: ClassVar[TPPlan] = {
+        "model.embed_tokens": ShardRule(ShardKind.VOCAB_EMBEDDING),
+        "model.layers.*.self_attn.qkv_proj": ShardRule(ShardKind.QKV),
+        "model.layers.*.self_attn.o_proj": ShardRule(ShardKind.ROW),
+        "model.layers.*.mlp.gate_up_proj": ShardRule(ShardKind.COLUMN, "intermediate_size"),
+        "model.layers.*.mlp.down_proj": ShardRule(ShardKind.ROW, "intermediate_size"),
+        "lm_head": ShardRule(ShardKind.VOCAB_HEAD),
+    }
 
     #: Whether RoPE may cover only part of each head (Phi-3/4).
     partial_rotary: ClassVar[bool] = False

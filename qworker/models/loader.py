@@ -4,6 +4,9 @@
 requested dtype and device, then streams checkpoint tensors into it one at a time,
 so at most one checkpoint tensor exists beside the model. Only safetensors and GGUF
 are read: pickled checkpoints (``.bin``/``.pt``) are refused, and no remote code runs.
+With a ``shard`` (tensor parallelism) the model is split on the meta device first
+(``qworker.models.tp_plan``) and each safetensors tensor reaches it unread, so a rank
+reads only its slice; a GGUF tensor is dequantized whole, then sliced.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import torch
 
 from qworker.errors import ModelLoadError
 from qworker.models.base import CausalLM, ModelSpec
+from qworker.models.checkpoint_tensor import CheckpointTensor, Readable
+from qworker.models.parallel_layers import ShardInfo
 from qworker.models.quant import QuantizedLoad, plan_quantization
 from qworker.models.registry import SAFETENSORS_ONLY, model_class, resolve_architecture
 from qworker.models.sources import PICKLE_SUFFIXES, default_cache_dir, resolve_source
@@ -89,6 +94,7 @@ def load_model(
     s3_endpoint_url: str | None = None,
     load_format: str = "auto",
     quantization: str = "auto",
+    shard: ShardInfo | None = None,
 ) -> LoadedModel:
     """Load the model at ``path`` with weights in ``dtype`` on ``device``.
 
@@ -100,11 +106,13 @@ def load_model(
     random values on ``device`` (benchmarks of a model's shape; nothing is read or
     written besides the config). ``quantization``: ``auto`` (the checkpoint's
     ``quantization_config``), ``fp8`` (FP8 on load) or ``none`` (``qworker.models.quant``).
+    ``shard``: load only that tensor-parallel rank's slice (``TensorParallelConfigError``
+    when the model does not split evenly).
     """
     device = torch.device(device)
     local = resolve_source(path, cache_dir, s3_endpoint_url)
     if load_format == "dummy":
-        return _dummy(local, dtype, device, quantization)
+        return _dummy(local, dtype, device, quantization, shard)
     if load_format != "auto":
         raise ModelLoadError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     gguf = _find_gguf(local)
@@ -122,7 +130,7 @@ def load_model(
             raise ModelLoadError(f"{architecture} is not supported from GGUF ({gguf.name}); "
                                  "load its safetensors checkpoint")
         quant = plan_quantization({}, quantization, dtype, device)
-        model = _build(architecture, config, dtype, device, quant)
+        model = _build(architecture, config, dtype, device, quant, shard)
         tensors = load_gguf_tensors(gguf, config, raw_config, dtype)
         model.load_weights(quant.adapt(tensors) if quant else tensors)
         source = gguf
@@ -133,8 +141,8 @@ def load_model(
         files = _safetensors_files(local)
         config = _parse_config(local, raw)
         quant = plan_quantization(raw, quantization, dtype, device, files)
-        model = _build(architecture, config, dtype, device, quant)
-        stream = _iter_safetensors(files)
+        model = _build(architecture, config, dtype, device, quant, shard)
+        stream = _iter_safetensors(files, lazy=shard is not None)
         model.load_weights(quant.adapt(stream) if quant else stream)
         source = local
         gguf_name = None
@@ -155,14 +163,39 @@ def load_model(
     )
 
 
-def _dummy(local: Path, dtype: torch.dtype, device: torch.device, quantization: str
-           ) -> LoadedModel:
+def check_tensor_parallel(path: str | os.PathLike[str], world_size: int, *,
+                          cache_dir: Path | None = None) -> Path:
+    """Fetch ``path`` once (s3://, hub) and check its model splits over ``world_size`` ranks
+    (``TensorParallelConfigError`` naming the field otherwise); returns the local path
+    every rank then loads. Builds the model on the meta device: no weight is read."""
+    from qworker.models.tp_plan import shard_model
+
+    local = resolve_source(path, cache_dir)
+    gguf = _find_gguf(local)
+    if gguf is not None:
+        from qworker.models.gguf import load_gguf_config
+
+        config, _ = load_gguf_config(gguf)
+        architecture = resolve_architecture(
+            {"architectures": getattr(config, "architectures", None),
+             "model_type": config.model_type})
+    else:
+        raw = _read_json(local / "config.json", what="config.json")
+        architecture = resolve_architecture(raw)
+        config = _parse_config(local, raw)
+    with torch.device("meta"):
+        shard_model(model_class(architecture)(config), ShardInfo(0, world_size))
+    return local
+
+
+def _dummy(local: Path, dtype: torch.dtype, device: torch.device, quantization: str,
+           shard: ShardInfo | None = None) -> LoadedModel:
     """The model of ``local/config.json`` with random weights made on ``device``."""
     raw = _read_json(local / "config.json", what="config.json")
     architecture = resolve_architecture(raw)
     config = _parse_config(local, raw)
     model = _build(architecture, config, dtype, device,
-                   plan_quantization(raw, quantization, dtype, device))
+                   plan_quantization(raw, quantization, dtype, device), shard)
     gen = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -201,11 +234,29 @@ def _parse_config(local: Path, raw: dict[str, Any]) -> Any:
         raise ModelLoadError(f"cannot parse {local / 'config.json'}: {exc}") from exc
 
 
+def _refuse_quantized_shards(quant: QuantizedLoad | None) -> None:
+    """Tensor parallelism does not slice FP8 weights and their scales yet
+    (docs/tensor_parallel.md): refused in one line, never loaded wrongly."""
+    if quant is not None:
+        from qworker.models.tp_plan import TensorParallelConfigError
+
+        raise TensorParallelConfigError(
+            "tensor_parallel_size > 1 with FP8 weights (quantization_config or "
+            "quantization='fp8') is not supported yet; use tensor_parallel_size=1 or a "
+            "bf16/fp16 checkpoint with quantization='none'")
+
+
 def _build(architecture: str, config: Any, dtype: torch.dtype, device: torch.device,
-           quant: QuantizedLoad | None = None) -> CausalLM:
+           quant: QuantizedLoad | None = None, shard: ShardInfo | None = None) -> CausalLM:
     cls = model_class(architecture)
+    if shard is not None:
+        _refuse_quantized_shards(quant)
     with torch.device("meta"):
         model = cls(config, dtype)
+        if shard is not None:
+            from qworker.models.tp_plan import shard_model
+
+            shard_model(model, shard)
     model = model.to(dtype=dtype)
     if quant is not None:
         quant.prepare(model)  # FP8 layers replace dense ones before memory is allocated
@@ -250,13 +301,15 @@ def _safetensors_files(local: Path) -> list[Path]:
     raise ModelLoadError(f"{local} has no weight files (*.safetensors or *.gguf)")
 
 
-def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(files: list[Path], lazy: bool = False
+                      ) -> Iterator[tuple[str, Readable]]:
+    """Every tensor of ``files``; ``lazy``: unread ``CheckpointTensor``s (a rank's slice)."""
     from safetensors import safe_open
 
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as handle:
             for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
-                yield name, handle.get_tensor(name)
+                yield name, CheckpointTensor(handle, name) if lazy else handle.get_tensor(name)
 
 
 def _as_id_list(value: Any) -> list[int]:

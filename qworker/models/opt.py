@@ -18,6 +18,7 @@ from qworker.attention.paged_attention import PagedAttention
 from qworker.models.base import CausalLM, ModelSpec
 from qworker.models.layers import FusedLinear, Linear, activation
 from qworker.models.ops import linear
+from qworker.models.tp_plan import ShardKind, ShardRule, TPPlan
 from qworker.models.weights import StackedRule, check_all_loaded, load_weights
 
 POSITION_OFFSET = 2
@@ -118,6 +119,15 @@ class OPTForCausalLM(CausalLM):
         (".k_proj.", ".qkv_proj.", "k"),
         (".v_proj.", ".qkv_proj.", "v"),
     ]
+    tp_plan: ClassVar[TPPlan] = {
+        "model.decoder.embed_tokens": ShardRule(ShardKind.VOCAB_EMBEDDING),
+        "model.decoder.embed_positions": ShardRule(ShardKind.VOCAB_EMBEDDING),
+        "model.decoder.layers.*.self_attn.qkv_proj": ShardRule(ShardKind.QKV),
+        "model.decoder.layers.*.self_attn.out_proj": ShardRule(ShardKind.ROW),
+        "model.decoder.layers.*.fc1": ShardRule(ShardKind.COLUMN, "ffn_dim"),
+        "model.decoder.layers.*.fc2": ShardRule(ShardKind.ROW, "ffn_dim"),
+        "lm_head": ShardRule(ShardKind.VOCAB_HEAD),
+    }
 
     def __init__(self, config: Any, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()

@@ -3,7 +3,8 @@
 Models describe how a checkpoint name maps onto their (possibly fused) parameters
 with a list of ``(checkpoint_fragment, param_fragment, shard)`` rules; everything
 else is copied by exact name. Tensors arrive as an iterator so at most one
-checkpoint tensor is held beside the model at any moment.
+checkpoint tensor is held beside the model at any moment. A tensor-parallel slice
+(``qworker.models.parallel_layers``) reads only its rows or columns of each tensor.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import torch
 from torch import nn
 
 from qworker.errors import ModelLoadError
+from qworker.models.checkpoint_tensor import Readable, read_all
 from qworker.models.layers import FusedLinear
+from qworker.models.parallel_layers import SHARDED_MODULES
 
 # (fragment in the checkpoint name, fragment of the fused module name, shard name)
 StackedRule = tuple[str, str, str]
@@ -22,7 +25,7 @@ StackedRule = tuple[str, str, str]
 
 def load_weights(
     model: nn.Module,
-    weights: Iterable[tuple[str, torch.Tensor]],
+    weights: Iterable[tuple[str, Readable]],
     stacked: list[StackedRule],
     skip: tuple[str, ...] = (),
 ) -> set[str]:
@@ -45,10 +48,13 @@ def load_weights(
             fused_name = name.replace(ckpt_frag, fused_frag)
             module_name, _, kind = fused_name.rpartition(".")
             module = modules.get(module_name)
-            if not isinstance(module, FusedLinear):
+            if not isinstance(module, (FusedLinear, *SHARDED_MODULES)):
                 raise ModelLoadError(f"checkpoint tensor {name!r} has no place in the model")
             try:
-                module.load_shard(shard, kind, tensor)
+                if isinstance(module, SHARDED_MODULES):
+                    module.load_checkpoint(shard, kind, tensor)
+                else:
+                    module.load_shard(shard, kind, read_all(tensor))
             except (KeyError, ValueError) as exc:
                 raise ModelLoadError(f"checkpoint tensor {name!r}: {exc}") from exc
             seen = shards_seen.setdefault(fused_name, set())
@@ -57,6 +63,14 @@ def load_weights(
                 loaded.add(fused_name)
             break
         else:
+            owner = modules.get(name.rpartition(".")[0])
+            if isinstance(owner, SHARDED_MODULES) and name in params:
+                try:
+                    owner.load_checkpoint(None, name.rpartition(".")[2], tensor)
+                except (KeyError, ValueError) as exc:
+                    raise ModelLoadError(f"checkpoint tensor {name!r}: {exc}") from exc
+                loaded.add(name)
+                continue
             param = params.get(name)
             if param is None:
                 raise ModelLoadError(f"checkpoint tensor {name!r} has no place in the model")
@@ -66,7 +80,7 @@ def load_weights(
                     f"the model expects {tuple(param.shape)}"
                 )
             with torch.no_grad():
-                param.data.copy_(tensor)
+                param.data.copy_(read_all(tensor))
             loaded.add(name)
     return loaded
 

@@ -73,25 +73,29 @@ async def serve(settings: WorkerSettings) -> tuple[int, RunSummary]:
             what = "" if isinstance(exc, ModelLoadError | ValueError) else f"{type(exc).__name__}: "
             log.error("cannot load model %s: %s%s", settings.model, what, _one_line(exc))
             return ExitCode.CONFIG, summary
-        stats = engine.stats()
-        log.info(
-            "engine ready: model %s, %d KV blocks of %d tokens, max_model_len %d",
-            engine.model_name,
-            stats.num_kv_blocks,
-            stats.block_size,
-            engine.max_model_len,
-        )
-        worker = Worker(settings, engine, source, sink, sink_prefix(settings.sink), metrics, drain)
-        if drain.draining.is_set():
-            log.warning("stop requested while loading: exiting before serving")
-            return ExitCode.DRAINED, worker.summary
-        log.info("serving jobs from %s into %s", settings.source, settings.sink)
         try:
-            summary = await worker.run()
-        except StartupError as exc:
-            log.error("cannot start: %s", _one_line(exc))
-            return ExitCode.CONFIG, worker.summary
-        return worker.exit_code, summary
+            stats = engine.stats()
+            log.info(
+                "engine ready: model %s, %d KV blocks of %d tokens, max_model_len %d",
+                engine.model_name,
+                stats.num_kv_blocks,
+                stats.block_size,
+                engine.max_model_len,
+            )
+            worker = Worker(settings, engine, source, sink, sink_prefix(settings.sink), metrics,
+                            drain)
+            if drain.draining.is_set():
+                log.warning("stop requested while loading: exiting before serving")
+                return ExitCode.DRAINED, worker.summary
+            log.info("serving jobs from %s into %s", settings.source, settings.sink)
+            try:
+                summary = await worker.run()
+            except StartupError as exc:
+                log.error("cannot start: %s", _one_line(exc))
+                return ExitCode.CONFIG, worker.summary
+            return worker.exit_code, summary
+        finally:
+            engine.close()  # tensor-parallel ranks never outlive the worker
     finally:
         drain.uninstall(loop)
         metrics.close()

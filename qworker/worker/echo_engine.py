@@ -232,6 +232,13 @@ class EchoEngine:
         ]
         return RequestOutput(req.request_id, req.prompt, req.token_ids, outputs, True, req.metrics)
 
+    def close(self) -> None:
+        """Nothing to stop (``Engine.close`` stops tensor-parallel ranks)."""
+
+    def failed(self) -> str | None:
+        """Never: the echo engine has no ranks to lose."""
+        return None
+
     def stats(self) -> EngineStats:
         """The engine's figures, from an imaginary pool of 16-token blocks."""
         with self._lock:

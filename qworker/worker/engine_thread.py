@@ -21,6 +21,7 @@ from typing import Any, Protocol
 from qworker.engine.outputs import RequestOutput
 from qworker.engine.sampling_params import SamplingParams
 from qworker.engine.stats import EngineStats
+from qworker.errors import EngineDeadError
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,8 @@ class EngineLike(Protocol):
     def abort(self, request_id: str) -> None: ...
     def has_unfinished(self) -> bool: ...
     def stats(self) -> EngineStats: ...
+    def close(self) -> None: ...
+    def failed(self) -> str | None: ...
 
 
 class EngineThread:
@@ -82,6 +85,7 @@ class EngineThread:
         self._inbox_blocks = 0  # submitted since the current step began
         self._stepping_blocks = 0  # submitted before the current step began
         self.steps = 0
+        self.died_of: BaseException | None = None  # what ended the thread, if it died
         self._step_started: float | None = None
         self._thread = threading.Thread(target=self._guarded, name="qworker-engine", daemon=True)
 
@@ -147,7 +151,8 @@ class EngineThread:
     def _guarded(self) -> None:
         try:
             self._run()
-        except BaseException:  # the worker's watchdog sees the dead thread: exit 70
+        except BaseException as exc:  # the worker's watchdog sees the dead thread: exit 70
+            self.died_of = exc
             log.critical("the engine thread died", exc_info=True)
 
     def _run(self) -> None:
@@ -164,6 +169,8 @@ class EngineThread:
             self._step_started = time.monotonic()
             try:
                 outputs = self.engine.step()
+            except EngineDeadError:
+                raise  # no later step can work (a tensor-parallel rank died): exit 70
             except Exception as exc:  # reported to the worker, thread lives on
                 log.exception("engine step failed")
                 self._resumed.clear()
@@ -186,12 +193,18 @@ class EngineThread:
 
 async def watchdog(thread: EngineThread, step_timeout: float,
                    on_failure: Callable[[str], None], interval: float = 0.5) -> None:
-    """Call ``on_failure(why)`` once, and return, when ``thread`` died or one step has run
-    longer than ``step_timeout`` seconds (0 disables that check); docs/operations.md."""
+    """Call ``on_failure(why)`` once, and return, when ``thread`` died, its engine says it
+    can never step again (a tensor-parallel rank died), or one step has run longer than
+    ``step_timeout`` seconds (0 disables that check); docs/operations.md."""
     while True:
         await asyncio.sleep(interval)
+        dead = thread.engine.failed()
+        if dead is not None:
+            on_failure(f"the engine failed: {dead}")
+            return
         if not thread.alive:
-            on_failure("the engine thread died")
+            cause = thread.died_of
+            on_failure("the engine thread died" + (f" ({cause})" if cause is not None else ""))
             return
         running = thread.step_running_for()
         if step_timeout and running > step_timeout:
