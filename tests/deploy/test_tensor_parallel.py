@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.deploy.test_manifests import DEPLOY, by_kind, one, render
+from tests.deploy.test_manifests import DEPLOY, by_kind, one, pod_template, render
 
 
 def _gib(quantity: str) -> float:
@@ -28,7 +28,7 @@ def test_the_pod_asks_for_the_gpus_shared_memory_and_host_memory_of_n_ranks(
     config = one(overlay, "ConfigMap")["data"]
     n = int(config["QWORKER_TENSOR_PARALLEL_SIZE"])
     assert n > 1
-    pod = one(overlay, "Deployment")["spec"]["template"]["spec"]
+    pod = pod_template(overlay)["spec"]
     (container,) = pod["containers"]
     resources = container["resources"]
     gpus = {resources[kind]["nvidia.com/gpu"] for kind in ("requests", "limits")}
@@ -46,7 +46,7 @@ def test_the_pod_asks_for_the_gpus_shared_memory_and_host_memory_of_n_ranks(
 def test_pods_land_only_on_nodes_with_a_multiple_of_n_gpus(
         overlay: list[dict[str, Any]]) -> None:
     n = int(one(overlay, "ConfigMap")["data"]["QWORKER_TENSOR_PARALLEL_SIZE"])
-    pod = one(overlay, "Deployment")["spec"]["template"]["spec"]
+    pod = pod_template(overlay)["spec"]
     nodes = render("karpenter-multi-gpu")
     pool = one(nodes, "NodePool")
     template = pool["spec"]["template"]
