@@ -45,6 +45,8 @@ def file_path(uri: str) -> Path:
 class FileSource(Source):
     """Serves the lines of a JSONL file not yet acknowledged in its progress file."""
 
+    kind = "file"
+
     def __init__(self, path: Path) -> None:
         self.path = path
         self.progress_path = path.with_name(path.name + ".progress")
