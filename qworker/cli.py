@@ -219,7 +219,7 @@ def _run(args: argparse.Namespace, settings: WorkerSettings) -> int:
 
 def _generate(args: argparse.Namespace, settings: WorkerSettings) -> int:
     from qworker.worker.app import build_engine
-    from qworker.worker.generate import generate_file
+    from qworker.worker.generate import check_output, generate_file
     from qworker.worker.logs import configure_logging
 
     configure_logging("WARNING", "text")
@@ -227,14 +227,18 @@ def _generate(args: argparse.Namespace, settings: WorkerSettings) -> int:
         raise ValueError("--window must be >= 1")
     from qworker.batch.files import done_ids, local_path, open_output
 
+    check_output(args.output, settings)  # before the model loads: a typo costs seconds
+
     skip_ids, skip_lines = done_ids(args.output, settings) if args.resume else (set(), set())
     if skip_ids or skip_lines:
         print(f"generate: resuming: {len(skip_ids) + len(skip_lines)} lines already in "
               f"{args.output}", file=sys.stderr)
     print(f"generate: loading model {settings.model}", file=sys.stderr)
     engine = build_engine(settings)
+    # A failed final upload keeps the local results and names them (UploadFailed, exit 1).
     with local_path(args.input, settings) as path, \
-            open_output(args.output, settings, append=args.resume) as out:
+            open_output(args.output, settings, append=args.resume,
+                        keep_failed_upload=True) as out:
         stats = _off_main_thread(
             lambda: generate_file(engine, path, out, args.window, settings.max_job_bytes,
                                   skip_ids=skip_ids, skip_lines=skip_lines)

@@ -11,7 +11,7 @@ import logging
 
 from qworker.config import WorkerSettings
 from qworker.errors import ModelLoadError
-from qworker.worker.drain import DrainControl
+from qworker.worker.drain import DrainControl, drain_budget
 from qworker.worker.engine_thread import EngineLike
 from qworker.worker.exit_codes import ExitCode
 from qworker.worker.failures import StartupError
@@ -47,7 +47,7 @@ async def serve(settings: WorkerSettings) -> tuple[int, RunSummary]:
     is logged as one line and returned as exit 1 (docs/operations.md).
     """
     loop = asyncio.get_running_loop()
-    drain = DrainControl()
+    drain = DrainControl(drain_budget(settings.drain_seconds))
     drain.install(loop)
     metrics = WorkerMetrics(settings.metrics_max_batches)
     summary = RunSummary()
