@@ -20,7 +20,7 @@ from qworker.engine.sampling_params import SamplingParams
 from qworker.errors import InvalidRequestError
 from qworker.schema.depth import MAX_JOB_DEPTH, deep_field
 from qworker.schema.fingerprint import raw_fingerprint, request_fingerprint
-from qworker.schema.peek import peek_ids
+from qworker.schema.peek import PeekedIds, peek_ids
 from qworker.schema.structured import structured_outputs
 
 CHAT_URL = "/v1/chat/completions"
@@ -101,20 +101,22 @@ class ParsedJob:
     fingerprint: str | None = None
 
 
-def parse_job(body: bytes, max_job_bytes: int = 1 << 20, size: int | None = None) -> ParsedJob:
+def parse_job(body: bytes, max_job_bytes: int = 1 << 20, size: int | None = None,
+              ids: PeekedIds | None = None) -> ParsedJob:
     """Parse and validate one raw job message (never raises).
 
     ``size`` is the message's full size when ``body`` holds only its head (a spool line
-    read in part). Over ``max_job_bytes``: never parsed; an ``invalid_request`` error
-    when its custom_id (and batch) can be read without parsing (``peek_ids``), else a
-    dead letter. Not JSON, not UTF-8, not an object, or no string ``custom_id``: dead
-    letter. Nested deeper than ``MAX_JOB_DEPTH`` or any invalid field: an
-    ``invalid_request`` error naming the field. Any other failure while validating is
-    the job's error too (a ``server_error`` line), never an exception.
+    read in part), ``ids`` what a scan of the whole message found. Over
+    ``max_job_bytes``: never parsed; an ``invalid_request`` error when its custom_id
+    (and batch) can be read without parsing (``peek_ids``), else a dead letter. Not
+    JSON, not UTF-8, not an object, or no string ``custom_id``: dead letter. Nested
+    deeper than ``MAX_JOB_DEPTH`` or any invalid field: an ``invalid_request`` error
+    naming the field. Any other failure while validating is the job's error too (a
+    ``server_error`` line), never an exception.
     """
     size = len(body) if size is None else size
     if size > max_job_bytes:
-        return _oversized(body, size, max_job_bytes)
+        return _oversized(body, size, max_job_bytes, ids)
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -152,10 +154,11 @@ def parse_job(body: bytes, max_job_bytes: int = 1 << 20, size: int | None = None
     return parsed
 
 
-def _oversized(body: bytes, size: int, max_job_bytes: int) -> ParsedJob:
+def _oversized(body: bytes, size: int, max_job_bytes: int,
+               ids: PeekedIds | None) -> ParsedJob:
     """A message over the limit: answered under its ids when they can be read unparsed."""
     reason = f"job is {size} bytes, over the limit of {max_job_bytes} bytes (max_job_bytes)"
-    ids = peek_ids(body)
+    ids = ids if ids is not None else peek_ids(body)
     if ids.custom_id is None or not ids.batch_known or \
             len(ids.custom_id.encode("utf-8")) > MAX_CUSTOM_ID_BYTES:
         return ParsedJob(dead_letter=f"{reason}; its custom_id could not be read without "

@@ -21,6 +21,7 @@ from qworker.worker.admission import Admission, Growth
 from qworker.worker.engine_thread import EngineLike, EngineThread
 from qworker.worker.job import Job, JobState
 from qworker.worker.job_table import JobTable
+from qworker.worker.requests import job_error
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ class Gate:
             self.thread.submit(request_id, job.text, job.token_ids, job.spec.params,
                                job.msg.received_at)
         except Exception as exc:  # any rejection becomes the job's record
-            self._on_reject(job, exc)
+            self._on_reject(job, job_error(exc, "submit it to the engine"))
             return False
         job.request_id, job.growth, job.admitted = request_id, growth, time.monotonic()
         self.table.move(job, JobState.RUNNING)

@@ -26,7 +26,7 @@ from typing import IO, Any
 from qworker.engine.outputs import RequestOutput
 from qworker.errors import InvalidRequestError
 from qworker.schema import Job, dumps, error_record_for, is_error_record
-from qworker.schema.peek import peek_ids
+from qworker.schema.peek import IdScanner, PeekedIds, peek_ids
 from qworker.worker.engine_thread import EngineLike
 from qworker.worker.requests import Prepared, job_error, prepare, record_for, token_decoder
 
@@ -62,13 +62,11 @@ def count_lines(path: str) -> int:
     return sum(1 for _ in _read_lines(path, 64))
 
 
-def _done_before(body: bytes, line_no: int, skip_ids: set[str], skip_lines: set[int]) -> bool:
+def _done_before(ids: PeekedIds, line_no: int, skip_ids: set[str],
+                 skip_lines: set[int]) -> bool:
     if line_no in skip_lines:
         return True
-    if not skip_ids:
-        return False
-    custom_id = peek_ids(body).custom_id
-    return custom_id is not None and custom_id in skip_ids
+    return ids.custom_id is not None and ids.custom_id in skip_ids
 
 
 def generate_file(
@@ -132,14 +130,15 @@ def generate_file(
             if item is None:
                 exhausted = True
                 break
-            line_no, body, size = item
+            line_no, body, size, ids = item
             stats.lines += 1
-            if _done_before(body, line_no, skip_ids, skip_lines):
+            if (skip_ids or skip_lines) and _done_before(ids or peek_ids(body), line_no,
+                                                         skip_ids, skip_lines):
                 stats.skipped += 1
                 if bar is not None:
                     bar.update(1)
                 continue
-            slots.append(_admit(engine, line_no, body, max_job_bytes, by_request, size))
+            slots.append(_admit(engine, line_no, body, max_job_bytes, by_request, size, ids))
         if by_request:
             _expire(engine, by_request)
             finish(engine.step())
@@ -203,20 +202,31 @@ def _bar(progress: IO[str] | None, total: int) -> Any:
                 mininterval=1.0)
 
 
-def _read_lines(path: str, limit: int) -> Iterator[tuple[int, bytes, int | None]]:
-    """``(line number, body, full size if cut)`` of each non-blank line; at most ``limit``
-    bytes of a line are ever held (a longer one is answered as too large, unparsed)."""
+def _read_lines(path: str, limit: int
+                ) -> Iterator[tuple[int, bytes, int | None, PeekedIds | None]]:
+    """``(line number, body, full size if cut, its ids if cut)`` of each non-blank line.
+
+    At most ``limit`` bytes of a line are ever held: a longer one is answered as too large,
+    unparsed, its ids read on the way (``IdScanner``).
+    """
     with open(path, "rb") as f:
         line_no = 0
         while True:
-            head, size = bytearray(), 0
+            head, size, scanner = bytearray(), 0, None
             while True:
                 chunk = f.readline(1 << 20)
                 if not chunk:
                     break
                 size += len(chunk)
-                if len(head) < limit:
-                    head += chunk[:limit - len(head)]
+                room = limit - len(head)
+                if room > 0:
+                    head += chunk[:room]
+                if scanner is not None:
+                    scanner.feed(chunk)
+                elif size > limit:
+                    scanner = IdScanner()
+                    scanner.feed(head)
+                    scanner.feed(chunk[room:] if room > 0 else chunk)
                 if chunk.endswith(b"\n"):
                     break
             if size == 0:
@@ -224,15 +234,17 @@ def _read_lines(path: str, limit: int) -> Iterator[tuple[int, bytes, int | None]
             line_no += 1
             body = bytes(head).strip()
             if body or size > len(head):
-                yield line_no, body, size if size > len(head) else None
+                cut = size > len(head)
+                yield (line_no, body, size if cut else None,
+                       scanner.ids if scanner is not None else None)
 
 
 def _admit(
     engine: EngineLike, line_no: int, body: bytes, max_job_bytes: int,
-    by_request: dict[str, _Slot], size: int | None = None,
+    by_request: dict[str, _Slot], size: int | None = None, ids: PeekedIds | None = None,
 ) -> _Slot:
     """The same path as ``qworker run`` (``requests.prepare``); a dead letter is an error line."""
-    outcome = prepare(engine, body, max_job_bytes, size=size)
+    outcome = prepare(engine, body, max_job_bytes, size=size, ids=ids)
     if not isinstance(outcome, Prepared):
         if outcome.dead_letter is not None:
             exc = InvalidRequestError(f"line {line_no}: {outcome.dead_letter}")

@@ -20,6 +20,7 @@ from qworker.engine.outputs import RequestOutput
 from qworker.errors import BatchExpiredError, EngineError, InvalidRequestError, QworkerError
 from qworker.schema import Job, JobKind, ParsedJob, error_record_for, parse_job, success_record
 from qworker.schema.jobs import logprob_volume_error
+from qworker.schema.peek import PeekedIds
 from qworker.worker.engine_thread import EngineLike
 
 
@@ -69,13 +70,15 @@ def job_error(exc: BaseException, doing: str) -> Exception:
 
 
 def prepare(engine: EngineLike, body: bytes, max_job_bytes: int,
-            now: float | None = None, size: int | None = None) -> Prepared | Unserved:
+            now: float | None = None, size: int | None = None,
+            ids: PeekedIds | None = None) -> Prepared | Unserved:
     """Parse, validate and tokenize one message; never raises.
 
-    ``size``: the message's full size when ``body`` is only its head.
+    ``size``: the message's full size when ``body`` is only its head; ``ids``: what a
+    scan of the whole message found (``parse_job``).
     """
     try:
-        parsed = parse_job(body, max_job_bytes, size)
+        parsed = parse_job(body, max_job_bytes, size, ids)
     except Exception as exc:  # parse_job promises not to raise: a bug, not the job's fault
         return Unserved(None, None, dead_letter=f"qworker could not parse it: "
                         f"{type(exc).__name__}: {exc}", code="dead_letter")

@@ -279,23 +279,23 @@ class Worker:
             self.table.move(job, S.PREPARING)
         self.settler.spawn(jobs, self._prepare(jobs), "parse and prepare it")
 
-    def _prepare_sync(self, items: list[tuple[bytes, int | None]]
-                      ) -> list[Prepared | Unserved | Exception]:
+    def _prepare_sync(self, msgs: list[Message]) -> list[Prepared | Unserved | Exception]:
         # On the prep pool: JSON parsing, chat templates and tokenization stay off the loop;
         # one message's failure is that message's outcome, never its batch-mates'.
         limit = self.settings.max_job_bytes
         outcomes: list[Prepared | Unserved | Exception] = []
-        for body, size in items:
+        for msg in msgs:
             try:
-                outcomes.append(prepare(self.engine, body, limit, size=size))
+                outcomes.append(prepare(self.engine, msg.body, limit, size=msg.size,
+                                        ids=msg.ids))
             except Exception as exc:
                 outcomes.append(exc)
         return outcomes
 
     async def _prepare(self, jobs: list[Job]) -> None:
         loop = asyncio.get_running_loop()
-        outcomes = await loop.run_in_executor(
-            self._pool, self._prepare_sync, [(job.msg.body, job.msg.size) for job in jobs])
+        outcomes = await loop.run_in_executor(self._pool, self._prepare_sync,
+                                              [job.msg for job in jobs])
         for job, outcome in zip(jobs, outcomes, strict=True):
             if job.is_open:
                 self._prepared(job, outcome)

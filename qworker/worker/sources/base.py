@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from qworker.schema.peek import PeekedIds
+
 
 @dataclass(slots=True)
 class Message:
@@ -23,7 +25,8 @@ class Message:
     ``"topic/partition/offset"`` for Kafka, the SQS MessageId, ``"file:<line>"``
     for the file spool. ``handle`` is private to the source that produced it.
     ``size`` is the message's full size in bytes when ``body`` holds only its head (a
-    spool line longer than the worker accepts is never read whole); None otherwise.
+    spool line longer than the worker accepts is never read whole), and ``ids`` what
+    was read of its top-level ids on the way (``IdScanner``); None otherwise.
     """
 
     body: bytes
@@ -32,6 +35,7 @@ class Message:
     handle: Any
     received_at: float
     size: int | None = None
+    ids: PeekedIds | None = None
 
 
 class Source(ABC):

@@ -35,6 +35,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
+from qworker.schema.peek import IdScanner
 from qworker.worker.failures import StartupError
 from qworker.worker.sources.base import Message, Source
 
@@ -94,6 +95,7 @@ class FileSource(Source):
         self._line_no = 0
         self._partial = bytearray()  # the line being read (at most line_limit bytes)
         self._partial_size = 0  # its bytes so far, also those not kept
+        self._scanner: IdScanner | None = None  # reads the ids of a line too long to keep
         self._partial_since = 0.0
         self._open: set[int] = set()  # served, not yet acked
         self._again: deque[Message] = deque()  # abandoned: served again first
@@ -203,6 +205,12 @@ class FileSource(Source):
                 room = self.line_limit - len(self._partial)
                 if room > 0:
                     self._partial += chunk[:room]
+                if self._scanner is not None:
+                    self._scanner.feed(chunk)
+                elif self._partial_size > self.line_limit:  # too long: read its ids on the way
+                    self._scanner = IdScanner()
+                    self._scanner.feed(self._partial)
+                    self._scanner.feed(chunk[room:] if room > 0 else chunk)
                 if not chunk.endswith(b"\n"):
                     continue  # the line goes on (or the file ends here for now)
             elif self._partial_size == 0:
@@ -220,7 +228,9 @@ class FileSource(Source):
 
     def _take_line(self) -> Message | None:
         line, size = bytes(self._partial), self._partial_size
+        ids = self._scanner.ids if self._scanner is not None else None
         self._partial, self._partial_size, self._partial_since = bytearray(), 0, 0.0
+        self._scanner = None
         self._line_no += 1
         body = line.strip()
         if (not body and size <= len(line)) or self._is_done(self._line_no):
@@ -229,7 +239,7 @@ class FileSource(Source):
         # A line cut short carries its raw length, so the worker sees it is too large.
         return Message(body=body, message_id=f"file:{self._line_no}", key=None,
                        handle=self._line_no, received_at=time.time(),
-                       size=size if size > len(line) else None)
+                       size=size if size > len(line) else None, ids=ids)
 
     def _check_swap(self) -> None:
         # A spool replaced while running: this run finishes the file it opened.
