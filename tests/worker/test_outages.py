@@ -141,7 +141,7 @@ def test_a_configured_sqs_dead_letter_queue_that_does_not_exist_is_exit_1_at_sta
     queue = sqs_queue()
     dlq_url = queue.url.rsplit("/", 1)[0] + "/never-created-dlq"
     _fill(moto_server, queue.url, [chat_job("ok1")])
-    with pytest.raises(StartupError, match="dead-letter queue .*never-created-dlq.* does not exist"):
+    with pytest.raises(StartupError, match=r"dead-letter queue .*never-created-dlq.* does not"):
         asyncio.run(_serve(_settings(tmp_path, f"sqs://{queue.url}"),
                            _sqs(moto_server, queue.url, dlq_url=dlq_url), tmp_path / "out"))
     assert read_results(tmp_path / "out") == {}

@@ -105,7 +105,7 @@ def test_the_writer_gives_up_only_when_the_outage_budget_is_spent(
 def test_same_fingerprint_is_a_duplicate_and_another_writes_one_conflict_record(
     moto_server: str, s3_bucket: str
 ) -> None:
-    writer, _, metrics = _writer(moto_server, s3_bucket)
+    writer, _, _ = _writer(moto_server, s3_bucket)
 
     def conflict_for(stored: str | None) -> Conflict:
         return Conflict(f"b/_conflicts/doc-{'fp-b'[:12]}.json", {"conflict": stored})
