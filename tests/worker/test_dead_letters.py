@@ -25,9 +25,8 @@ pytest.importorskip("boto3")
 pytest.importorskip("aiokafka")
 pytest.importorskip("pydantic_settings")
 
-from qworker.schema import dead_letter_key, error_of
+from qworker.schema import error_of
 from qworker.worker.echo_engine import EchoEngine
-from qworker.worker.failures import Refused
 from qworker.worker.sinks.base import PutResult
 from qworker.worker.sinks.file import FileSink
 from qworker.worker.worker import Worker
@@ -64,7 +63,10 @@ def test_sqs_without_any_dead_letter_queue_writes_the_message_to_the_sink(
     assert letter["source"] == "sqs" and "an array" in letter["reason"]
     assert base64.b64decode(letter["body_base64"]) == b"[1, 2, 3]"
     assert letter["position"]["queue"] == queue.url and letter["position"]["receive_count"] == 1
+    from qworker.schema import dead_letter_key
+
     key = dead_letter_key("", "sqs", letter["message_id"])
+    assert key == f"_dead_letters/sqs-{letter['message_id']}.json"
     assert (tmp_path / "out" / key).is_file()
     assert worker.summary.dead_lettered == worker.summary.dead_lettered_to_sink == 1
     assert _queue_counts(moto_server, queue.url) == (0, 0)
@@ -126,9 +128,11 @@ class _RefusingSink(FileSink):
     refused: ClassVar[list[str]] = []
 
     async def put(self, key: str, body: bytes, fingerprint: str | None = None) -> PutResult:
+        from qworker.worker.sinks.file import SinkRefused
+
         if "refuse-me" in key:
             self.refused.append(key)
-            raise type("KeyRefused", (OSError, Refused), {})(f"key {key} refused")
+            raise SinkRefused(f"key {key} refused")
         return await super().put(key, body, fingerprint)
 
 

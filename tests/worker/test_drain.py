@@ -22,7 +22,7 @@ pytest.importorskip("orjson")
 pytest.importorskip("pydantic_settings")
 
 from qworker.worker import drain as drain_module
-from qworker.worker.drain import DrainBudget, DrainControl, DrainReason, drain_budget
+from qworker.worker.drain import DrainControl, DrainReason
 from qworker.worker.echo_engine import EchoEngine
 from qworker.worker.sinks.base import PutResult
 from qworker.worker.sinks.file import FileSink
@@ -64,6 +64,8 @@ def test_a_drain_past_its_budget_ends_the_process_with_exit_75(
 ) -> None:
     codes, called = _exits(monkeypatch)
     monkeypatch.setattr(drain_module, "EXIT_MARGIN_S", 0.0)
+    from qworker.worker.drain import DrainBudget
+
     control = DrainControl(DrainBudget(prepare=0.1, run=0.1, abort=0.1, store=0.1, close=0.1))
     started = time.monotonic()
     control.on_signal(signal.SIGTERM)
@@ -72,6 +74,8 @@ def test_a_drain_past_its_budget_ends_the_process_with_exit_75(
 
 
 def test_the_budget_sums_every_phase_and_the_grace_period_covers_it() -> None:
+    from qworker.worker.drain import drain_budget
+
     budget = drain_budget(90)
     assert budget.run == 90
     assert budget.total == budget.prepare + budget.run + budget.abort + budget.store + budget.close
@@ -100,6 +104,8 @@ def test_every_drain_phase_fits_the_drain_budget(tmp_path: Path) -> None:
     spool = write_spool(tmp_path / "jobs.jsonl", lines)
     source = _StuckClose(spool)
     cfg = settings(tmp_path, f"file://{spool}", until_idle=None, drain_seconds=1)
+    from qworker.worker.drain import DrainBudget
+
     # Every phase of the real budget, shorter (the real one's constants: the test above).
     budget = DrainBudget(prepare=0.5, run=cfg.drain_seconds, abort=0.5, store=1.0, close=1.0)
     drain = DrainControl(budget)

@@ -450,13 +450,14 @@ def test_a_line_far_over_max_job_bytes_is_answered_without_being_read_whole(
             + "x" * (24 << 20) + '"}, "batch_id": "b1"}')
     anonymous = '{"url": "/v1/completions", "body": {"prompt": "' + "y" * (2 << 20) + '"}}'
     lines: list[Any] = [chat_job("before"), huge, anonymous, chat_job("after")]
-    spool = write_spool(tmp_path / "jobs.jsonl", lines)
+    write_spool(tmp_path / "jobs.jsonl", lines)
     del huge, anonymous, lines
     tracemalloc.start()
     try:
         async def main() -> Worker:
-            worker = Worker(_settings(tmp_path, max_job_bytes=64 << 10), EchoEngine(),
-                            FileSource(spool, 64 << 10), FileSink(tmp_path / "out"))
+            cfg = _settings(tmp_path, max_job_bytes=64 << 10)
+            worker = Worker(cfg, EchoEngine(), FileSource.from_uri(cfg.source, cfg),
+                            FileSink(tmp_path / "out"))
             await asyncio.wait_for(worker.run(), 30)
             return worker
 
