@@ -135,19 +135,28 @@ def test_existing_result_counts_as_duplicate_and_is_not_overwritten(tmp_path: Pa
     assert acked_lines(tmp_path / "jobs.jsonl.progress") == {1, 2}
 
 
+async def _until(done: Any, timeout: float = 30.0) -> None:
+    """Wait for ``done()`` (polled on the loop): an event, not a guess at how long it takes."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "the awaited state never came"
+        await asyncio.sleep(0.01)
+
+
 def test_drain_abandons_unfinished_jobs_without_acking(tmp_path: Path) -> None:
     drain = DrainControl()
     slow = EchoEngine(delay_ms=20, steps=10_000)
     lines = [chat_job(f"s{i}") for i in range(3)]
 
-    async def trigger() -> None:
-        await asyncio.sleep(0.8)
-        drain.request(DrainReason.SIGNAL)
-
     async def main() -> Worker:
         spool = write_spool(tmp_path / "jobs.jsonl", lines)
         settings = _settings(tmp_path, until_idle=None, drain_seconds=0.3)
         worker = Worker(settings, slow, FileSource(spool), FileSink(tmp_path / "out"), drain=drain)
+
+        async def trigger() -> None:  # once all three are inside the engine
+            await _until(lambda: len(worker.table.running) == 3)
+            drain.request(DrainReason.SIGNAL)
+
         await asyncio.gather(worker.run(), trigger())
         return worker
 
@@ -324,14 +333,22 @@ def test_a_drain_during_a_sink_outage_stops_retrying_at_the_drain_budget(tmp_pat
     async def main() -> tuple[Worker, float]:
         worker = Worker(_settings(tmp_path, until_idle=None, drain_seconds=1), EchoEngine(),
                         FileSource(spool), sink, drain=drain)
-        asyncio.get_running_loop().call_later(1.0, drain.request, DrainReason.SIGNAL)
-        started = time.monotonic()
-        await asyncio.wait_for(worker.run(), 30)
-        return worker, time.monotonic() - started
+        requested: list[float] = []
+
+        async def trigger() -> None:  # once the sink has refused the finished results
+            await _until(lambda: sink.failures >= 4)
+            requested.append(time.monotonic())
+            drain.request(DrainReason.SIGNAL)
+
+        await asyncio.wait_for(asyncio.gather(worker.run(), trigger()), 30)
+        return worker, time.monotonic() - requested[0]
 
     worker, took = asyncio.run(main())
     assert worker.exit_code == 75 and worker.summary.drain_reason == "signal"  # work left
-    assert took < 1.0 + 1 + 3  # signal + drain budget + slack, not the 30 s store wait
+    # Writes are retried until the run phase ends (prepare + drain_seconds), then given up:
+    # not the whole outage budget (300 s).
+    budget = worker.budget
+    assert took < budget.prepare + budget.run + budget.abort + budget.store + 2
     assert acked_lines(tmp_path / "jobs.jsonl.progress") == set()
 
 
