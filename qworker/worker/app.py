@@ -38,17 +38,24 @@ def build_engine(settings: WorkerSettings) -> EngineLike:
     return Engine(settings.engine_config())
 
 
-async def serve(settings: WorkerSettings) -> tuple[int, RunSummary]:
+async def serve(settings: WorkerSettings, pending_signals: list[int] | None = None,
+                hard_exit: bool = False) -> tuple[int, RunSummary]:
     """Run one worker until it drains; return (exit code, summary).
 
     ``/healthz`` answers from the start, ``/readyz`` only once the model is loaded
-    and until the drain begins. A signal during model loading stops after the load.
+    and until the drain begins. A signal during model loading stops after the load;
+    ``pending_signals`` (SIGTERMs that arrived before this) start the drain at once.
+    ``hard_exit``: a signal arms the process's hard exit (``DrainControl.on_signal``)
+    and it stays armed for the process's own exit (the CLI); otherwise it is disarmed
+    when ``serve`` returns (an embedding process goes on).
     A configuration problem found at start (a missing queue, topic, bucket or model)
     is logged as one line and returned as exit 1 (docs/operations.md).
     """
     loop = asyncio.get_running_loop()
     drain = DrainControl(drain_budget(settings.drain_seconds))
     drain.install(loop)
+    for signum in list(pending_signals or ()):
+        drain.on_signal(signum)
     metrics = WorkerMetrics(settings.metrics_max_batches)
     summary = RunSummary()
     try:
@@ -94,6 +101,8 @@ async def serve(settings: WorkerSettings) -> tuple[int, RunSummary]:
         return worker.exit_code, summary
     finally:
         drain.uninstall(loop)
+        if not hard_exit:
+            drain.disarm()
         metrics.close()
 
 

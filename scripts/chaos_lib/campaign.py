@@ -165,6 +165,8 @@ class Campaign:
         self.dlq_url = ""
         self.queue_url = ""
         self._sink_letters: list[bytes] = []
+        self._late_dlq_attrs: dict[str, str] = {}
+        self._saved_dlq: list[bytes] = []  # DLQ contents read before the campaign deleted it
 
     # -- setup ---------------------------------------------------------------------
     def _start_servers(self) -> str:
@@ -232,9 +234,10 @@ class Campaign:
         self.dlq_url = sqs.create_queue(QueueName=f"chaos-dlq-{self.prefix}")["QueueUrl"]
         if self.cfg.refusing_dlq:
             # The workers' DLQ takes 1 KiB at most: larger dead letters are refused for good.
+            self._late_dlq_attrs = {"MaximumMessageSize": "1024"}
             self.late_dlq_url = sqs.create_queue(
                 QueueName=f"chaos-small-dlq-{self.prefix}",
-                Attributes={"MaximumMessageSize": "1024"})["QueueUrl"]
+                Attributes=self._late_dlq_attrs)["QueueUrl"]
         arn = sqs.get_queue_attributes(QueueUrl=self.dlq_url, AttributeNames=["QueueArn"])[
             "Attributes"]["QueueArn"]
         policy = json.dumps({"deadLetterTargetArn": arn,
@@ -393,9 +396,12 @@ class Campaign:
             seconds = self.cfg.dlq_missing_seconds
             log.info("the workers' DLQ is deleted for %.0f s", seconds)
             sqs = _sqs(self.cfg.moto_url or (self.moto.url if self.moto else ""))
+            self._saved_dlq += self._receive_all(sqs, self.late_dlq_url)  # deleted with it
             sqs.delete_queue(QueueUrl=self.late_dlq_url)
             self._dlq_back_at = time.monotonic() + seconds
-            self.fleet.config_exits_until = self._dlq_back_at + 1.0
+            # Workers still starting (their DLQ check) or started meanwhile may exit 1.
+            self.fleet.allow_config_exits(since=time.monotonic() - 60,
+                                          until=self._dlq_back_at + 1.0)
             body = b"[\"poison while the DLQ is missing\"]"
             self.jobs.poison.append(body)
             self.report.poison_produced += 1
@@ -485,7 +491,7 @@ class Campaign:
                 log.info("source outage over")
             if self._dlq_back_at is not None and time.monotonic() >= self._dlq_back_at:
                 name = self.late_dlq_url.rsplit("/", 1)[1]
-                _sqs(moto_url).create_queue(QueueName=name)
+                _sqs(moto_url).create_queue(QueueName=name, Attributes=self._late_dlq_attrs)
                 self._dlq_back_at = None
                 log.info("the workers' DLQ is back")
             if self._trickle_error is not None:
@@ -539,7 +545,7 @@ class Campaign:
             committed = [await consumer.committed(tp) or 0 for tp in tps]
             log.info("committed offsets per partition: %s", committed)
             produced = (self.report.jobs_produced + self.report.poison_produced
-                        + len(self.jobs.conflict_lines))
+                        + len(self.jobs.conflict_lines) + len(self.hostile))
             self.report.final_lag = produced - sum(committed)
         finally:
             await consumer.stop()
@@ -565,16 +571,21 @@ class Campaign:
                             "ApproximateNumberOfMessagesNotVisible",
                             "ApproximateNumberOfMessagesDelayed"])["Attributes"]
         self.report.final_lag = sum(int(v) for v in attrs.values())
-        bodies: list[bytes] = []
+        bodies: list[bytes] = list(self._saved_dlq)
         for url in {self.dlq_url, self.late_dlq_url} - {""}:  # redrive DLQ + the workers'
-            while True:
-                got = sqs.receive_message(QueueUrl=url, MaxNumberOfMessages=10,
-                                          VisibilityTimeout=600,
-                                          WaitTimeSeconds=0).get("Messages", [])
-                if not got:
-                    break
-                bodies += [m["Body"].encode() for m in got]
+            bodies += self._receive_all(sqs, url)
         self._count_dlq(bodies)
+
+    @staticmethod
+    def _receive_all(sqs: Any, url: str) -> list[bytes]:
+        bodies: list[bytes] = []
+        while True:
+            got = sqs.receive_message(QueueUrl=url, MaxNumberOfMessages=10,
+                                      VisibilityTimeout=600,
+                                      WaitTimeSeconds=0).get("Messages", [])
+            if not got:
+                return bodies
+            bodies += [m["Body"].encode() for m in got]
 
     def _file_books(self) -> None:
         lines = [n for n, raw in enumerate(self.spool.read_bytes().split(b"\n"), 1)
@@ -709,7 +720,8 @@ class Campaign:
         r.drain_seconds = [round((i.ended_at or 0) - (i.signalled_at or 0), 1) for i in drains]
         r.drain_max_seconds = max(r.drain_seconds, default=0.0)
         received = self.fleet.metric_total("qworker_jobs_received_total")
-        r.redeliveries = max(0, int(received) - r.jobs_produced - r.poison_produced)
+        r.redeliveries = max(0, int(received) - r.jobs_produced - r.poison_produced
+                             - len(self.hostile) - len(self.jobs.conflict_lines))
         r.duplicates_reported_by_workers = int(self.fleet.metric_total(
             "qworker_jobs_duplicate_total"))
         r.faults = self.proxy.faults

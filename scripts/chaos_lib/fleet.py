@@ -135,6 +135,15 @@ class Fleet:
         log.info("worker %d.%d started (pid %d)%s", slot.index, n, proc.pid,
                  f" as {inc.tag}" if inc.tag else "")
 
+    def allow_config_exits(self, since: float, until: float) -> None:
+        """Incarnations started from ``since`` until ``until`` (monotonic) may exit 1."""
+        self.config_exits_until = until
+        with self._lock:
+            for slot in self.slots:
+                for inc in slot.lives:
+                    if inc.started >= since and 1 not in inc.expect_rc:
+                        inc.expect_rc = (*inc.expect_rc, 1)
+
     def live(self) -> list[Slot]:
         """Slots whose current worker runs and has not been signalled."""
         return [s for s in self.slots

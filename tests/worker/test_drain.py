@@ -131,3 +131,18 @@ def test_every_drain_phase_fits_the_drain_budget(tmp_path: Path) -> None:
     assert worker.exit_code == 75  # work was left
     assert worker.summary.abandoned == len(lines) and worker.summary.settled == len(lines)
     assert acked_lines(tmp_path / "jobs.jsonl.progress") == set()
+
+
+def test_a_sigterm_before_the_worker_could_handle_it_drains_with_exit_75(
+    tmp_path: Path,
+) -> None:
+    # Regression: a SIGTERM in the first second (while ``qworker run`` was importing)
+    # killed the process by the signal (rc 143 / -15) instead of a drain's 75. The CLI
+    # now captures it and hands it to ``serve``, which drains before serving anything.
+    from qworker.worker.app import serve
+
+    spool = write_spool(tmp_path / "jobs.jsonl", [chat_job("never-served")])
+    cfg = settings(tmp_path, f"file://{spool}", until_idle=None)
+    code, summary = asyncio.run(serve(cfg, pending_signals=[signal.SIGTERM]))
+    assert code == 75 and summary.received == 0
+    assert acked_lines(tmp_path / "jobs.jsonl.progress") == set()
