@@ -32,6 +32,7 @@ from qworker.errors import BatchExpiredError, EngineError
 from qworker.worker.admission import Admission
 from qworker.worker.dead_letters import DeadLetters
 from qworker.worker.drain import DrainControl, DrainReason, drain_budget
+from qworker.worker.drain_phases import drain_phases
 from qworker.worker.engine_thread import EngineLike, EngineThread, watchdog
 from qworker.worker.exit_codes import ExitCode
 from qworker.worker.gate import Gate
@@ -40,7 +41,8 @@ from qworker.worker.job import AT_GATE, AbortReason, Fate, Job, JobState
 from qworker.worker.job_table import JobTable
 from qworker.worker.metrics import WorkerMetrics
 from qworker.worker.outage import Backoff, Outage
-from qworker.worker.requests import Prepared, Unserved, prepare, token_decoder
+from qworker.worker.preparing import Preparer
+from qworker.worker.requests import token_decoder
 from qworker.worker.result_writer import ResultWriter
 from qworker.worker.retry import GaveUp, Retrier
 from qworker.worker.settle import Settler
@@ -110,6 +112,8 @@ class Worker:
         self.settler = Settler(self.table, source, self.writer, self.dead_letters,
                                self.metrics, self.summary, self.tasks, self._pool,
                                engine.model_name, token_decoder(engine), self._progress.set)
+        self.preparer = Preparer(engine, settings.max_job_bytes, self._pool, self.table,
+                                 self.settler, self._admit)
         self.failures = StepFailures(self.table, settings.max_job_attempts)
         self.idle = IdleCheck(source, self.source_retrier)
         self._kv_usage = 0.0
@@ -245,7 +249,7 @@ class Worker:
                 break
             if msgs:
                 self._last_activity = time.monotonic()
-                self._start_preparing(msgs)
+                self.preparer.start(msgs)
             elif (self.table.deferred and self.busy == len(self.table.deferred)
                   and time.monotonic() - self._last_activity >= _JUDGE_AFTER_S):
                 for job in self.failures.judge_deferred():
@@ -272,52 +276,6 @@ class Worker:
             return []
 
     # ------------------------------------------------------------ preparing
-
-    def _start_preparing(self, msgs: list[Message]) -> None:
-        jobs = self.settler.received(msgs)
-        for job in jobs:
-            self.table.move(job, S.PREPARING)
-        self.settler.spawn(jobs, self._prepare(jobs), "parse and prepare it")
-
-    def _prepare_sync(self, msgs: list[Message]) -> list[Prepared | Unserved | Exception]:
-        # On the prep pool: JSON parsing, chat templates and tokenization stay off the loop;
-        # one message's failure is that message's outcome, never its batch-mates'.
-        limit = self.settings.max_job_bytes
-        outcomes: list[Prepared | Unserved | Exception] = []
-        for msg in msgs:
-            try:
-                outcomes.append(prepare(self.engine, msg.body, limit, size=msg.size,
-                                        ids=msg.ids))
-            except Exception as exc:
-                outcomes.append(exc)
-        return outcomes
-
-    async def _prepare(self, jobs: list[Job]) -> None:
-        loop = asyncio.get_running_loop()
-        outcomes = await loop.run_in_executor(self._pool, self._prepare_sync,
-                                              [job.msg for job in jobs])
-        for job, outcome in zip(jobs, outcomes, strict=True):
-            if job.is_open:
-                self._prepared(job, outcome)
-        self._admit()
-
-    def _prepared(self, job: Job, outcome: Prepared | Unserved | Exception) -> None:
-        if isinstance(outcome, Exception):
-            self.settler.fail(job, outcome, "parse and prepare it")
-        elif isinstance(outcome, Prepared):
-            spec = outcome.job
-            job.custom_id, job.batch_id, job.fingerprint = (spec.custom_id, spec.batch_id,
-                                                            outcome.fingerprint)
-            job.spec, job.text, job.token_ids = spec, outcome.text, outcome.token_ids
-            self.table.move(job, S.READY)
-        elif outcome.dead_letter is not None:
-            self.settler.dead_letter(job, outcome.dead_letter)
-        else:
-            assert outcome.record is not None
-            job.custom_id, job.batch_id = outcome.custom_id, outcome.batch_id
-            job.fingerprint = outcome.fingerprint
-            log.warning("%s: not served", outcome.code, extra=job.log_ids())
-            self.settler.answer(job, outcome.record)
 
     def _admit(self) -> None:
         if self.gate is not None and not self.drain.draining.is_set():
@@ -459,43 +417,15 @@ class Worker:
     # ------------------------------------------------------------ drain
 
     async def _drain(self) -> float:
-        """Every drain phase within ``drain_budget``; returns when the close phase ends.
-
-        Each phase ends ``budget.<phase>`` seconds after the previous one ended (sooner
-        when its work is done), so the whole drain stays within ``budget.total``. Sink
-        and dead-letter writes are retried until the run phase ends, as in-flight work;
-        afterwards a failed write hands its job back.
-        """
+        """The drain's phases (``drain_phases``); returns when the close phase ends."""
         assert self._thread is not None and self.gate is not None
         self.metrics.draining.set(1)
         self.metrics.ready = False
-        budget, immediate, table = self.budget, self.drain.immediate, self.table
-        now = time.monotonic()
-        self._store_until = now + budget.prepare + budget.run
-        # CPU work only: let messages being parsed land at the gate first.
-        await self._wait_until(lambda: not table.in_state(S.RECEIVED, S.PREPARING),
-                               now + budget.prepare, immediate_stops=False)
-        for job in table.waiting():  # jobs that never started go back first
-            self.settler.settle_later(job, Fate.HANDED_BACK)
-        self._store_until = run_until = time.monotonic() + budget.run
-        if table.running and not immediate.is_set():
-            log.info("draining: %d jobs in flight, up to %.0fs", len(table.running), budget.run)
-            await self._wait_until(lambda: not table.running, run_until)
-        for job in table.running.values():
-            if job.abort is None:
-                job.abort = AbortReason.DRAIN
-                assert job.request_id is not None
-                self._thread.abort(job.request_id)
-        abort_s = min(1.0, budget.abort) if immediate.is_set() else budget.abort
-        await self._wait_until(lambda: not table.running, time.monotonic() + abort_s,
-                               immediate_stops=False)
-        for job in list(table.running.values()):
-            self.gate.released(job)
-            self.settler.settle_later(job, Fate.HANDED_BACK)
-        self.admission.final_sum = 0
-        self._store_until = min(self._store_until, time.monotonic())
-        await self.tasks.wait(min(2.0, budget.store) if immediate.is_set() else budget.store)
-        for job in table:  # a store or settle cut short: the message goes back
-            await self.settler.settle(job, Fate.HANDED_BACK, force=True)
-        log.info("drained (%s)", self.drain.reason.value if self.drain.reason else "done")
-        return time.monotonic() + budget.close
+
+        def store_until(at: float) -> None:
+            self._store_until = at if self._store_until is None else min(self._store_until, at)
+
+        self._store_until = None
+        return await drain_phases(self.table, self.settler, self.tasks, self.gate,
+                                  self._thread, self.admission, self.budget, self.drain,
+                                  self._wait_until, store_until)

@@ -25,8 +25,8 @@ pytest.importorskip("orjson")
 pytest.importorskip("pydantic_settings")
 
 from qworker.schema import error_of
+from qworker.worker import preparing as preparing_module
 from qworker.worker import settle as settle_module
-from qworker.worker import worker as worker_module
 from qworker.worker.echo_engine import EchoEngine
 from qworker.worker.job import Fate
 from tests.worker.harness import file_source, kafka_source, serve, settings, sqs_source
@@ -80,7 +80,7 @@ class _FaultyEcho(EchoEngine):
 
 @contextlib.contextmanager
 def _inject(stages: set[str], monkeypatch: pytest.MonkeyPatch) -> Iterator[_FaultyEcho]:
-    real_prepare = worker_module.prepare
+    real_prepare = preparing_module.prepare
     real_record_for = settle_module.record_for
     import qworker.schema.jobs as jobs_module
     real_sampling = jobs_module._sampling
@@ -108,7 +108,7 @@ def _inject(stages: set[str], monkeypatch: pytest.MonkeyPatch) -> Iterator[_Faul
             raise TypeError("Type is not JSON serializable: Tensor")
         return await real_store(self, custom_id, batch_id, record, *args, **kw)
 
-    monkeypatch.setattr(worker_module, "prepare", prepare)
+    monkeypatch.setattr(preparing_module, "prepare", prepare)
     monkeypatch.setattr(jobs_module, "_sampling", sampling)
     monkeypatch.setattr(settle_module, "record_for", record_for)
     monkeypatch.setattr(settle_module.ResultWriter, "store_result", store_result)
