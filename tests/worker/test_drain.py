@@ -52,9 +52,12 @@ def test_a_second_signal_whose_stop_gets_stuck_still_exits_75(
     monkeypatch.setattr(drain_module, "HARD_EXIT_AFTER_S", 0.2, raising=False)  # before 18
     monkeypatch.setattr(drain_module, "EXIT_MARGIN_S", 60.0, raising=False)
     control = DrainControl()
-    control.on_signal(signal.SIGTERM)
-    control.on_signal(signal.SIGTERM)  # the stop then hangs: nothing else ends the process
-    assert called.wait(10)
+    try:
+        control.on_signal(signal.SIGTERM)
+        control.on_signal(signal.SIGTERM)  # the stop then hangs: nothing else ends the process
+        assert called.wait(10)
+    finally:
+        getattr(control, "disarm", lambda: None)()  # else its first timer ends this process
     assert codes == [75]  # work may be left: AWS Batch and Kubernetes retry
     assert control.immediate.is_set() and control.reason is DrainReason.SIGNAL
 
@@ -68,8 +71,11 @@ def test_a_drain_past_its_budget_ends_the_process_with_exit_75(
 
     control = DrainControl(DrainBudget(prepare=0.1, run=0.1, abort=0.1, store=0.1, close=0.1))
     started = time.monotonic()
-    control.on_signal(signal.SIGTERM)
-    assert called.wait(10)
+    try:
+        control.on_signal(signal.SIGTERM)
+        assert called.wait(10)
+    finally:
+        control.disarm()
     assert codes == [75] and 0.5 <= time.monotonic() - started < 5
 
 
