@@ -44,16 +44,24 @@ def deep_field(value: Any, limit: int) -> str | None:
     stack: list[tuple[Any, int, tuple[str | int, ...]]] = [(value, 1, ())]
     while stack:
         item, level, path = stack.pop()
-        if not isinstance(item, dict | list):
-            continue
         if level > limit:
             return _field_name(path)
-        children = item.items() if isinstance(item, dict) else enumerate(item)
         keep = len(path) < 5
-        for key, child in children:
+        if isinstance(item, dict):
+            values: Any = item.values()
+            keys: Any = item.keys()
+        else:
+            values, keys = item, range(len(item))
+        # A long list of scalars (token ids) is skipped at C speed: no per-item Python.
+        if len(item) > 16 and not _CONTAINERS & set(map(type, values)):
+            continue
+        for key, child in zip(keys, values, strict=True):
             if isinstance(child, dict | list):
                 stack.append((child, level + 1, (*path, key) if keep else path))
     return None
+
+
+_CONTAINERS = frozenset({dict, list})
 
 
 def _field_name(path: tuple[str | int, ...]) -> str:
@@ -68,5 +76,3 @@ def _field_name(path: tuple[str | int, ...]) -> str:
         if rest and isinstance(rest[0], str):
             name += f".{rest.pop(0)}"
     return name
-
-
