@@ -6,32 +6,52 @@ environment over ``.env`` over defaults) and passed down.
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import importlib
-import importlib.util
-import logging
-import os
-import sys
-import threading
-import types
-import typing
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+import contextlib as _contextlib
+import signal as _signal
+import sys as _sys
 
-from pydantic import ValidationError
+#: SIGTERMs that reached ``qworker run`` while it was still importing (a pod stopped in
+#: its first second): the worker drains for them as soon as it can (exit 75), instead of
+#: dying of the signal. Only a ``run`` process captures them, and only until ``serve``
+#: installs its own handlers. This runs before the imports below (hence their noqa).
+EARLY_SIGNALS: list[int] = []
 
-from qworker import __version__
-from qworker.batch.commands import (
+
+def _capture_early_signal(signum: int, frame: object) -> None:
+    EARLY_SIGNALS.append(signum)
+
+
+if (len(_sys.argv) > 1 and _sys.argv[1] == "run"
+        and _sys.argv[0].endswith(("qworker", "__main__.py"))):
+    with _contextlib.suppress(ValueError):  # not the main thread: nothing to capture
+        _signal.signal(_signal.SIGTERM, _capture_early_signal)
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import importlib  # noqa: E402
+import importlib.util  # noqa: E402
+import logging  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import types  # noqa: E402
+import typing  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
+from typing import Any, TypeVar  # noqa: E402
+
+from pydantic import ValidationError  # noqa: E402
+
+from qworker import __version__  # noqa: E402
+from qworker.batch.commands import (  # noqa: E402
     add_parsers as add_batch_parsers,
 )
-from qworker.batch.commands import (
+from qworker.batch.commands import (  # noqa: E402
     collect_command,
     produce_command,
     status_command,
 )
-from qworker.config import ENGINE_FIELDS, WorkerSettings
-from qworker.worker.exit_codes import ExitCode
+from qworker.config import ENGINE_FIELDS, WorkerSettings  # noqa: E402
+from qworker.worker.exit_codes import ExitCode  # noqa: E402
 
 T = TypeVar("T")
 
@@ -199,7 +219,7 @@ def _run(args: argparse.Namespace, settings: WorkerSettings) -> int:
     from qworker.worker.logs import configure_logging
 
     configure_logging(settings.log_level, settings.log_format)
-    code, summary = asyncio.run(serve(settings))
+    code, summary = asyncio.run(serve(settings, pending_signals=EARLY_SIGNALS, hard_exit=True))
     if code == ExitCode.CONFIG:
         return code  # the one line saying why was logged; no summary of nothing
     if settings.log_format == "json":
@@ -219,7 +239,7 @@ def _run(args: argparse.Namespace, settings: WorkerSettings) -> int:
 
 def _generate(args: argparse.Namespace, settings: WorkerSettings) -> int:
     from qworker.worker.app import build_engine
-    from qworker.worker.generate import generate_file
+    from qworker.worker.generate import check_output, generate_file
     from qworker.worker.logs import configure_logging
 
     configure_logging("WARNING", "text")
@@ -227,15 +247,19 @@ def _generate(args: argparse.Namespace, settings: WorkerSettings) -> int:
         raise ValueError("--window must be >= 1")
     from qworker.batch.files import done_ids, local_path, open_output
 
+    check_output(args.output, settings)  # before the model loads: a typo costs seconds
+
     skip_ids, skip_lines = done_ids(args.output, settings) if args.resume else (set(), set())
     if skip_ids or skip_lines:
         print(f"generate: resuming: {len(skip_ids) + len(skip_lines)} lines already in "
               f"{args.output}", file=sys.stderr)
     print(f"generate: loading model {settings.model}", file=sys.stderr)
     engine = build_engine(settings)
+    # A failed final upload keeps the local results and names them (UploadFailed, exit 1).
     try:
         with local_path(args.input, settings) as path, \
-                open_output(args.output, settings, append=args.resume) as out:
+                open_output(args.output, settings, append=args.resume,
+                            keep_failed_upload=True) as out:
             stats = _off_main_thread(
                 lambda: generate_file(engine, path, out, args.window, settings.max_job_bytes,
                                       skip_ids=skip_ids, skip_lines=skip_lines)

@@ -9,6 +9,8 @@ restarts the broker. Then it checks the sink: every job exactly one valid result
 
     .venv/bin/python scripts/chaos.py --jobs 2000 --workers 3 --kafka
     .venv/bin/python scripts/chaos.py --jobs 2000 --workers 3 --sqs --json
+    .venv/bin/python scripts/chaos.py --file --jobs 300 --hostile 60 --kills 1 --drains 1
+    .venv/bin/python scripts/chaos.py --sqs --jobs 300 --hostile 60 --refusing-dlq
 
 Prints a table and one JSON line; exits 1 when anything is missing, duplicated,
 invalid or silently replaced, or a worker's exit code is not what the contract says
@@ -35,6 +37,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     q = p.add_mutually_exclusive_group()
     q.add_argument("--kafka", dest="queue", action="store_const", const="kafka")
     q.add_argument("--sqs", dest="queue", action="store_const", const="sqs")
+    q.add_argument("--file", dest="queue", action="store_const", const="file",
+                   help="the embedded file:// spool (one worker)")
     p.set_defaults(queue="kafka")
     p.add_argument("--jobs", type=int, default=d.jobs)
     p.add_argument("--workers", type=int, default=d.workers, choices=(1, 2, 3, 4))
@@ -68,7 +72,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="SQS endpoint failing / Kafka broker down for --source-outage-seconds")
     p.add_argument("--source-outage-seconds", type=float, default=d.source_outage_seconds)
     p.add_argument("--dlq-missing-seconds", type=float, default=d.dlq_missing_seconds,
-                   help="SQS: the workers' dead-letter queue is created this long after start")
+                   help="SQS: the workers' dead-letter queue is deleted this long mid-run")
+    p.add_argument("--hostile", type=int, default=d.hostile,
+                   help="hostile messages (every case of chaos_lib/hostile.py, in turn)")
+    p.add_argument("--refusing-dlq", action="store_true",
+                   help="a dead-letter target that refuses some messages for good")
+    p.add_argument("--max-job-bytes", type=int, default=d.max_job_bytes,
+                   help="the workers' QWORKER_MAX_JOB_BYTES when --hostile is given")
     p.add_argument("--conflicts", type=int, default=d.conflicts,
                    help="second, different requests reusing a valid job's custom_id")
     p.add_argument("--read-only-home", action="store_true",
@@ -103,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         engine_step_timeout=a.engine_step_timeout, idle_restarts=a.idle_restarts,
         source_outages=a.source_outages, source_outage_seconds=a.source_outage_seconds,
         dlq_missing_seconds=a.dlq_missing_seconds, conflicts=a.conflicts,
-        read_only_home=a.read_only_home, work_dir=a.work_dir,
+        read_only_home=a.read_only_home, work_dir=a.work_dir, hostile=a.hostile,
+        refusing_dlq=a.refusing_dlq, max_job_bytes=a.max_job_bytes,
     )
     report = run_campaign(cfg)
     if not a.json:

@@ -4,7 +4,10 @@
 SIGKILLed, one SIGTERMed (drain) and S3 answers 5xx, resets connections and drops
 the answers of successful writes. Afterwards every job must have exactly one valid
 result object, poison messages must be in the dead-letter target, and nothing may
-be left uncommitted, and ``qworker collect`` must agree. Below them, regression tests
+be left uncommitted, and ``qworker collect`` must agree. Each campaign also sends one
+message of every hostile-input case (scripts/chaos_lib/hostile.py) to a dead-letter
+target that refuses some of them (the file spool's campaign is the script's
+``--file``; its hostile path is covered by tests/worker). Below them, regression tests
 for defects the campaign found. The full campaign and its figures: docs/reliability.md.
 """
 
@@ -36,14 +39,14 @@ def _reduced(queue: str, tmp_path: Path, moto_url: str, **kw: object) -> Campaig
         # random and one job that breaks every step, a SIGKILLed worker replaced at once by
         # an --until-idle 1 one, two second requests under used custom_ids, a read-only HOME.
         engine_fail_rate=0.01, engine_poison=1, idle_restarts=1, conflicts=2,
-        read_only_home=True, engine_step_timeout=2.0, **kw,
+        read_only_home=True, engine_step_timeout=2.0, hostile=24, **kw,
     )
 
 
 def _assert_books_balance(report: Report) -> None:
     print(report.table())
     assert report.samples == {}, report.samples
-    assert report.results_found == report.jobs_produced
+    assert report.results_found == report.jobs_produced + report.hostile_jobs
     assert report.missing == 0
     assert report.duplicates == 0
     assert report.invalid == 0
@@ -58,6 +61,7 @@ def _assert_books_balance(report: Report) -> None:
     assert report.conflict_records == report.conflicts_produced == 2
     assert report.worker_crashes == 0  # every exit code as docs/operations.md says
     assert report.idle_exits_with_work_left == 0
+    assert report.hostile_produced >= 22 and report.hostile_dead_missing == 0
 
 
 def test_kafka_campaign_loses_and_duplicates_nothing(
@@ -65,18 +69,22 @@ def test_kafka_campaign_loses_and_duplicates_nothing(
 ) -> None:
     """Kafka: kill + drain + flaky S3 + a hung engine end with one valid result per job."""
     report = run_campaign(_reduced("kafka", tmp_path, moto_server, kafka_bootstrap=kafka_broker,
-                                   hangs=1))
+                                   hangs=1, refusing_dlq=True))
     _assert_books_balance(report)
     assert report.hangs == 1
+    assert report.sink_dead_letters > 0  # the DLQ topic refused them: never an outage
 
 
 def test_sqs_campaign_loses_and_duplicates_nothing(tmp_path: Path, moto_server: str) -> None:
     """SQS: kill (visibility expiry redelivers) + drain + flaky S3 + an SQS outage; poison
-    lands in the workers' DLQ, which appears only 5 s into the run."""
+    lands in the workers' DLQ (1 KiB at most: larger dead letters go to the sink), which
+    is deleted for 5 s mid-run."""
     report = run_campaign(_reduced("sqs", tmp_path, moto_server, source_outages=1,
-                                   source_outage_seconds=3, dlq_missing_seconds=5))
+                                   source_outage_seconds=3, dlq_missing_seconds=5,
+                                   refusing_dlq=True))
     _assert_books_balance(report)
     assert report.source_outages == 1
+    assert report.sink_dead_letters > 0
 
 
 def test_run_help_prints_for_the_campaign_flags(capsys: pytest.CaptureFixture[str]) -> None:

@@ -60,7 +60,8 @@ resource "aws_launch_template" "batch" {
   }
 
   # The ECS agent's stop timeout is how long a stopped job gets between
-  # SIGTERM and SIGKILL: the drain budget plus the final flush.
+  # SIGTERM and SIGKILL: the whole drain budget plus the process exit
+  # (drain_budget(drain_seconds).grace_seconds = drain_seconds + 20).
   user_data = base64encode(<<-EOT
     MIME-Version: 1.0
     Content-Type: multipart/mixed; boundary="==QWORKER=="
@@ -69,7 +70,7 @@ resource "aws_launch_template" "batch" {
     Content-Type: text/x-shellscript; charset="us-ascii"
 
     #!/bin/bash
-    echo "ECS_CONTAINER_STOP_TIMEOUT=${var.drain_seconds + 15}s" >> /etc/ecs/ecs.config
+    echo "ECS_CONTAINER_STOP_TIMEOUT=${var.drain_seconds + 20}s" >> /etc/ecs/ecs.config
 
     --==QWORKER==--
   EOT

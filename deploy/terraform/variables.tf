@@ -156,7 +156,7 @@ variable "until_idle_seconds" {
 }
 
 variable "drain_seconds" {
-  description = "QWORKER_DRAIN_SECONDS; the ECS stop timeout is this + 15 s."
+  description = "QWORKER_DRAIN_SECONDS; the ECS stop timeout is this + 20 s (the drain budget)."
   type        = number
   default     = 90
 }

@@ -5,6 +5,8 @@ temporary file first (``produce`` reads its input twice). ``open_output`` yields
 writable binary file; for S3 it is a temporary file uploaded (multipart for large
 files) only when the block finishes without an error, so a failed run never leaves a
 half-written object. ``append=True`` continues an existing file (``--resume``).
+With ``keep_failed_upload=True`` a failed final upload keeps the local file and raises
+``UploadFailed`` naming it, so the results are not lost (``qworker generate``).
 """
 
 from __future__ import annotations
@@ -76,12 +78,22 @@ def open_input(uri: str, settings: Any) -> Iterator[IO[bytes]]:
         yield tmp
 
 
+class UploadFailed(RuntimeError):
+    """The final upload of an S3 output failed; ``path`` still holds the whole file."""
+
+    def __init__(self, uri: str, path: Path, cause: BaseException) -> None:
+        super().__init__(f"uploading the results to {uri} failed ({type(cause).__name__}: "
+                         f"{cause}); they are kept in {path}")
+        self.uri, self.path = uri, path
+
+
 @contextlib.contextmanager
-def open_output(uri: str, settings: Any, append: bool = False) -> Iterator[IO[bytes]]:
+def open_output(uri: str, settings: Any, append: bool = False,
+                keep_failed_upload: bool = False) -> Iterator[IO[bytes]]:
     """A writable binary file; S3 objects are uploaded when the block succeeds.
 
     ``append``: keep what the file already holds (a trailing line without its newline,
-    left by a killed run, is dropped first).
+    left by a killed run, is dropped first). ``keep_failed_upload``: see the module.
     """
     if not is_s3(uri):
         path = Path(uri)
@@ -97,6 +109,7 @@ def open_output(uri: str, settings: Any, append: bool = False) -> Iterator[IO[by
     fd, name = tempfile.mkstemp(prefix="qworker-", suffix=".jsonl")
     os.close(fd)
     tmp = Path(name)
+    kept = False
     try:
         if append and exists(uri, settings):
             with open(tmp, "wb") as f:
@@ -104,9 +117,16 @@ def open_output(uri: str, settings: Any, append: bool = False) -> Iterator[IO[by
             _drop_partial_line(tmp)
         with open(tmp, "ab") as f:
             yield f
-        client.upload_file(str(tmp), bucket, key)
+        try:
+            client.upload_file(str(tmp), bucket, key)
+        except Exception as exc:
+            if not keep_failed_upload:
+                raise
+            kept = True
+            raise UploadFailed(uri, tmp, exc) from exc
     finally:
-        tmp.unlink(missing_ok=True)
+        if not kept:
+            tmp.unlink(missing_ok=True)
 
 
 def read_bytes(uri: str, settings: Any) -> bytes:

@@ -5,6 +5,10 @@
 fingerprints are the same request delivered twice; different fingerprints are two
 requests sharing a custom_id (a ``duplicate_custom_id`` conflict). ``batch_id``,
 ``deadline`` and ``metadata`` do not take part: they do not change the answer.
+
+A request that has no canonical form (nested past what a serializer takes, or never
+parsed because it is over ``max_job_bytes``) is fingerprinted by its raw bytes
+(``raw_fingerprint``): a redelivery has the same bytes. Neither function raises.
 """
 
 from __future__ import annotations
@@ -16,8 +20,11 @@ from typing import Any
 import orjson
 
 
-def request_fingerprint(url: Any, body: Any) -> str:
-    """64 hex digits identifying the request ``{"url": url, "body": body}``."""
+def request_fingerprint(url: Any, body: Any, raw: bytes | None = None) -> str:
+    """64 hex digits identifying the request ``{"url": url, "body": body}``.
+
+    ``raw``: the message's bytes, used when the value cannot be serialized canonically.
+    """
     value = {"body": body, "url": url}
     try:
         canonical = orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
@@ -25,6 +32,14 @@ def request_fingerprint(url: Any, body: Any) -> str:
         try:
             canonical = json.dumps(value, sort_keys=True, separators=(",", ":"),
                                    ensure_ascii=False, allow_nan=False).encode()
-        except (RecursionError, TypeError, ValueError):
-            canonical = repr(value).encode("utf-8", "replace")
+        except (RecursionError, TypeError, ValueError, UnicodeError):
+            return raw_fingerprint(raw if raw is not None else b"", None)
     return hashlib.sha256(canonical).hexdigest()
+
+
+def raw_fingerprint(raw: bytes | bytearray, size: int | None) -> str:
+    """The fingerprint of a message by its bytes (``size``: its full size if cut short)."""
+    digest = hashlib.sha256(b"qworker-raw\0")
+    digest.update(str(len(raw) if size is None else size).encode() + b"\0")
+    digest.update(raw)
+    return digest.hexdigest()

@@ -17,8 +17,10 @@ from typing import Any
 import orjson
 
 from qworker.engine.sampling_params import SamplingParams
-from qworker.errors import InvalidRequestError, QworkerError
-from qworker.schema.fingerprint import request_fingerprint
+from qworker.errors import InvalidRequestError
+from qworker.schema.depth import MAX_JOB_DEPTH, deep_field
+from qworker.schema.fingerprint import raw_fingerprint, request_fingerprint
+from qworker.schema.peek import PeekedIds, peek_ids
 from qworker.schema.structured import structured_outputs
 
 CHAT_URL = "/v1/chat/completions"
@@ -92,23 +94,33 @@ class ParsedJob:
     """
 
     job: Job | None = None
-    error: QworkerError | None = None
+    error: Exception | None = None
     dead_letter: str | None = None
     custom_id: str | None = None
     batch_id: str | None = None
     fingerprint: str | None = None
 
 
-def parse_job(body: bytes, max_job_bytes: int = 1 << 20) -> ParsedJob:
+def parse_job(body: bytes, max_job_bytes: int = 1 << 20, size: int | None = None,
+              ids: PeekedIds | None = None) -> ParsedJob:
     """Parse and validate one raw job message (never raises).
 
-    Not JSON, not UTF-8, not an object, or no string ``custom_id``: dead letter.
-    Over ``max_job_bytes`` or any invalid field: an ``invalid_request`` error naming it.
+    ``size`` is the message's full size when ``body`` holds only its head (a spool line
+    read in part), ``ids`` what a scan of the whole message found. Over
+    ``max_job_bytes``: never parsed; an ``invalid_request`` error when its custom_id
+    (and batch) can be read without parsing (``peek_ids``), else a dead letter. Not
+    JSON, not UTF-8, not an object, or no string ``custom_id``: dead letter. Nested
+    deeper than ``MAX_JOB_DEPTH`` or any invalid field: an ``invalid_request`` error
+    naming the field. Any other failure while validating is the job's error too (a
+    ``server_error`` line), never an exception.
     """
+    size = len(body) if size is None else size
+    if size > max_job_bytes:
+        return _oversized(body, size, max_job_bytes, ids)
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        return ParsedJob(dead_letter=f"not valid JSON: {exc}")
+        return _undecodable(body, exc)
     if not isinstance(data, dict):
         return ParsedJob(dead_letter=f"job must be a JSON object, got {_json_type(data)}")
     custom_id = data.get("custom_id")
@@ -117,15 +129,13 @@ def parse_job(body: bytes, max_job_bytes: int = 1 << 20) -> ParsedJob:
             dead_letter=f"custom_id must be a non-empty string, got {_describe(custom_id)}"
         )
     batch_id = data.get("batch_id")
-    parsed = ParsedJob(
-        custom_id=custom_id,
-        batch_id=batch_id if isinstance(batch_id, str) else None,
-        fingerprint=request_fingerprint(data.get("url"), data.get("body")),
-    )
-    if len(body) > max_job_bytes:
-        parsed.error = InvalidRequestError(
-            f"job is {len(body)} bytes, over the limit of {max_job_bytes} bytes (max_job_bytes)"
-        )
+    parsed = ParsedJob(custom_id=custom_id,
+                       batch_id=batch_id if isinstance(batch_id, str) else None)
+    too_deep = deep_field(data, MAX_JOB_DEPTH)
+    parsed.fingerprint = request_fingerprint(data.get("url"), data.get("body"), raw=body)
+    if too_deep is not None:
+        limit = MAX_METADATA_DEPTH if too_deep == "metadata" else MAX_JOB_DEPTH
+        parsed.error = InvalidRequestError(f"{too_deep} is nested deeper than {limit} levels")
         return parsed
     id_bytes = len(custom_id.encode("utf-8", "surrogatepass"))
     if id_bytes > MAX_CUSTOM_ID_BYTES:
@@ -137,7 +147,38 @@ def parse_job(body: bytes, max_job_bytes: int = 1 << 20) -> ParsedJob:
         parsed.job = _validate(data, custom_id)
     except InvalidRequestError as exc:
         parsed.error = exc
+    except RecursionError:  # a value too deep for a validator (the bound above is generous)
+        parsed.error = InvalidRequestError("body is nested too deeply to validate")
+    except Exception as exc:  # a validator's own failure: the job's server_error, not a crash
+        parsed.error = exc
     return parsed
+
+
+def _oversized(body: bytes, size: int, max_job_bytes: int,
+               ids: PeekedIds | None) -> ParsedJob:
+    """A message over the limit: answered under its ids when they can be read unparsed."""
+    reason = f"job is {size} bytes, over the limit of {max_job_bytes} bytes (max_job_bytes)"
+    ids = ids if ids is not None else peek_ids(body)
+    if ids.custom_id is None or not ids.batch_known or \
+            len(ids.custom_id.encode("utf-8")) > MAX_CUSTOM_ID_BYTES:
+        return ParsedJob(dead_letter=f"{reason}; its custom_id could not be read without "
+                         "parsing it")
+    return ParsedJob(custom_id=ids.custom_id, batch_id=ids.batch_id,
+                     error=InvalidRequestError(reason), fingerprint=raw_fingerprint(body, size))
+
+
+def _undecodable(body: bytes, exc: orjson.JSONDecodeError) -> ParsedJob:
+    """Not JSON qworker can read; valid JSON with an out-of-range number or a lone
+    surrogate (RFC 8259 allows both) still gets its error line under its custom_id."""
+    reason = f"not valid JSON: {exc}"
+    if "infinity" not in str(exc) and "surrogate" not in str(exc):
+        return ParsedJob(dead_letter=reason)
+    ids = peek_ids(body)
+    if ids.custom_id is None or not ids.batch_known:
+        return ParsedJob(dead_letter=reason)
+    return ParsedJob(custom_id=ids.custom_id, batch_id=ids.batch_id,
+                     error=InvalidRequestError(f"job is {reason}"),
+                     fingerprint=raw_fingerprint(body, len(body)))
 
 
 def _validate(data: dict[str, Any], custom_id: str) -> Job:

@@ -1,7 +1,8 @@
 """Object keys of a batch (docs/formats.md, "Object keys").
 
 ``<prefix>/<batch>/<safe(custom_id)>.json`` holds one result; beside the results,
-qworker's own objects start with ``_`` (``_manifest.json``, ``_conflicts/``), a name
+qworker's own objects start with ``_`` (``_manifest.json``, ``_conflicts/``, and at the
+prefix level ``_dead_letters/``), a name
 ``safe_segment`` never yields for an id. ``safe_segment`` makes any string a safe,
 injective key segment; ``result_key`` builds the full key every sink is given.
 """
@@ -17,6 +18,7 @@ _HASH_MARK = "sha256-"
 _SAFE = re.compile(rb"[A-Za-z0-9._-]")
 MANIFEST_NAME = "_manifest.json"
 CONFLICTS_DIR = "_conflicts"
+DEAD_LETTERS_DIR = "_dead_letters"
 
 
 def safe_segment(value: str) -> str:
@@ -60,3 +62,11 @@ def conflict_key(prefix: str, batch_id: str | None, custom_id: str, fingerprint:
     """``<prefix>/<batch>/_conflicts/<safe(custom_id)>-<fingerprint[:12]>.json``."""
     folder = batch_folder(prefix, batch_id) + CONFLICTS_DIR
     return f"{folder}/{safe_segment(custom_id)}-{fingerprint[:12]}.json"
+
+
+def dead_letter_key(prefix: str, source: str, message_id: str) -> str:
+    """``<prefix>/_dead_letters/<source>-<safe(message_id)>.json`` (a message that is no job,
+    where the source has no dead-letter target or it refused the message)."""
+    name = f"{DEAD_LETTERS_DIR}/{source}-{safe_segment(message_id)}.json"
+    prefix = prefix.strip("/")
+    return f"{prefix}/{name}" if prefix else name

@@ -7,7 +7,9 @@ Accepted (``docs/structured_outputs.md``): OpenAI's ``response_format`` —
 ``choice``) with its older spellings ``guided_json``, ``guided_regex``,
 ``guided_choice``. At most one of them per job. Only the shape is checked here; the
 engine compiles the grammar when the job is submitted (an invalid or unsupported
-schema is then that job's ``invalid_request``).
+schema is then that job's ``invalid_request``). A schema given as JSON text is parsed
+here, with the same depth bound as the job itself (``qworker.schema.depth``), so no
+recursive parser or compiler ever meets a schema deeper than that.
 """
 
 from __future__ import annotations
@@ -15,8 +17,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import orjson
+
 from qworker.engine.structured.params import StructuredOutputsParams
 from qworker.errors import InvalidRequestError
+from qworker.schema.depth import MAX_JOB_DEPTH, nesting_depth
 
 #: Body fields that carry a structured-output constraint.
 FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex",
@@ -55,9 +60,29 @@ def _parse(name: str, value: Any) -> StructuredOutputsParams | None:
                 f"body.structured_outputs.{unknown[0]} is not supported by qworker "
                 f"(supported: {', '.join(_SPEC_KEYS)})")
         fields = {k: v for k, v in value.items() if v is not None}
+        if "json" in fields:
+            fields["json"] = _json_text(fields["json"], "body.structured_outputs.json")
         return _build(fields, "body.structured_outputs")
     key = name.removeprefix("guided_")
+    if key == "json":
+        value = _json_text(value, f"body.{name}")
     return _build({key: value}, f"body.{name}", exact=True)
+
+
+def _json_text(value: Any, where: str) -> Any:
+    """A schema given as JSON text, parsed (depth-bounded); any other value unchanged."""
+    if not isinstance(value, str):
+        return value
+    try:
+        parsed = orjson.loads(value)
+    except orjson.JSONDecodeError as exc:
+        if "depth" in str(exc) or "recursion" in str(exc).lower():
+            raise InvalidRequestError(
+                f"{where} is nested deeper than {MAX_JOB_DEPTH} levels") from None
+        raise InvalidRequestError(f"{where} is not valid JSON: {exc}") from None
+    if nesting_depth(parsed, stop_above=MAX_JOB_DEPTH) > MAX_JOB_DEPTH:
+        raise InvalidRequestError(f"{where} is nested deeper than {MAX_JOB_DEPTH} levels")
+    return parsed
 
 
 def _response_format(value: Any) -> StructuredOutputsParams | None:

@@ -12,8 +12,9 @@ it. Each request is forwarded unchanged unless a fault is drawn for it:
 - ``latency``: sleep this many seconds before forwarding (every request).
 
 ``fail_next(n)`` makes the next ``n`` requests fail deterministically, for tests
-that need "S3 answers 503 for a while". Rates and latency may be changed while
-running (``configure``). Draws come from ``random.Random(seed)``, so a run with
+that need "S3 answers 503 for a while". ``fail_methods`` limits the drawn faults to
+requests of those HTTP methods (e.g. writes only: reads pass). Rates and latency may be
+changed while running (``configure``). Draws come from ``random.Random(seed)``, so a run with
 one client thread is reproducible. Standard library only.
 
 Use::
@@ -115,6 +116,7 @@ class FaultProxy:
         self.latency = 0.0
         self.reset_rate = 0.0
         self.lost_ack_rate = 0.0
+        self.fail_methods: frozenset[str] | None = None
         self.configure(
             error_rate=error_rate,
             latency=latency,
@@ -138,8 +140,12 @@ class FaultProxy:
         latency: float | None = None,
         reset_rate: float | None = None,
         lost_ack_rate: float | None = None,
+        fail_methods: set[str] | frozenset[str] | None = None,
     ) -> None:
-        """Change fault settings while running; None leaves a setting as it is."""
+        """Change fault settings while running; None leaves a setting as it is.
+
+        ``fail_methods``: draw faults only for these methods (an empty set: all again).
+        """
         for name, value in (
             ("error_rate", error_rate),
             ("reset_rate", reset_rate),
@@ -158,6 +164,8 @@ class FaultProxy:
                 self.reset_rate = reset_rate
             if lost_ack_rate is not None:
                 self.lost_ack_rate = lost_ack_rate
+            if fail_methods is not None:
+                self.fail_methods = frozenset(m.upper() for m in fail_methods) or None
 
     def fail_next(self, n: int, status: int = 503) -> None:
         """Answer the next ``n`` requests with ``status`` (500 or 503 or 0 for a reset)."""
@@ -206,6 +214,8 @@ class FaultProxy:
             if self._fail_next:
                 status = self._fail_next.pop(0)
                 return ("reset", 0, delay) if status == 0 else ("error", status, delay)
+            if self.fail_methods is not None and method.upper() not in self.fail_methods:
+                return "forward", 0, delay
             roll = self._rng.random()
             if roll < self.reset_rate:
                 return "reset", 0, delay

@@ -11,7 +11,7 @@ import logging
 
 from qworker.config import WorkerSettings
 from qworker.errors import ModelLoadError
-from qworker.worker.drain import DrainControl
+from qworker.worker.drain import DrainControl, drain_budget
 from qworker.worker.engine_thread import EngineLike
 from qworker.worker.exit_codes import ExitCode
 from qworker.worker.failures import StartupError
@@ -38,17 +38,24 @@ def build_engine(settings: WorkerSettings) -> EngineLike:
     return Engine(settings.engine_config())
 
 
-async def serve(settings: WorkerSettings) -> tuple[int, RunSummary]:
+async def serve(settings: WorkerSettings, pending_signals: list[int] | None = None,
+                hard_exit: bool = False) -> tuple[int, RunSummary]:
     """Run one worker until it drains; return (exit code, summary).
 
     ``/healthz`` answers from the start, ``/readyz`` only once the model is loaded
-    and until the drain begins. A signal during model loading stops after the load.
+    and until the drain begins. A signal during model loading stops after the load;
+    ``pending_signals`` (SIGTERMs that arrived before this) start the drain at once.
+    ``hard_exit``: a signal arms the process's hard exit (``DrainControl.on_signal``)
+    and it stays armed for the process's own exit (the CLI); otherwise it is disarmed
+    when ``serve`` returns (an embedding process goes on).
     A configuration problem found at start (a missing queue, topic, bucket or model)
     is logged as one line and returned as exit 1 (docs/operations.md).
     """
     loop = asyncio.get_running_loop()
-    drain = DrainControl()
+    drain = DrainControl(drain_budget(settings.drain_seconds))
     drain.install(loop)
+    for signum in list(pending_signals or ()):
+        drain.on_signal(signum)
     metrics = WorkerMetrics(settings.metrics_max_batches)
     summary = RunSummary()
     try:
@@ -98,6 +105,8 @@ async def serve(settings: WorkerSettings) -> tuple[int, RunSummary]:
             engine.close()  # tensor-parallel ranks never outlive the worker
     finally:
         drain.uninstall(loop)
+        if not hard_exit:
+            drain.disarm()
         metrics.close()
 
 

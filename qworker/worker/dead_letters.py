@@ -1,72 +1,93 @@
-"""Dead-lettering a message, retried through a failing dead-letter target, never dropped.
+"""Dead letters: to the source's dead-letter target, else to the sink; never only logged.
 
-A dead letter that cannot be sent is retried with backoff; the message stays unacked
-meanwhile (the Kafka watermark waits for it, the SQS message stays held). It is handed
-back (redelivered later) only when the drain runs out or the target has failed for the
-outage budget, and then the worker stops with exit 69 (docs/operations.md).
+A message that cannot be a job (docs/formats.md, "Dead letters") goes to the source's
+target (``<topic>.dlq``, the SQS DLQ, ``<spool>.dlq``) through the dead-letter
+``Retrier``: a failing target is retried for the outage budget, never dropped. Where
+no target exists (SQS without a redrive policy or ``QWORKER_SQS_DLQ_URL``), or the
+target refuses this one message for good (too large, invalid for it), it is written to
+the sink as ``<prefix>/_dead_letters/<source>-<safe(message id)>.json`` with the
+reason, the source position and the body (base64). When neither can take it before
+the budget or the drain runs out, the message is handed back (redelivered later).
+``deliver`` decides and reports; ``settle`` makes the source calls.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
+import base64
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from enum import Enum
+from typing import Any
 
-from qworker.worker.drain import DrainControl
-from qworker.worker.metrics import WorkerMetrics
-from qworker.worker.outage import Backoff, Outage
+from qworker.schema import dead_letter_key
+from qworker.schema.peek import peek_ids
+from qworker.worker.result_writer import ResultWriter, Stored
+from qworker.worker.retry import GaveUp, GiveUp, Retrier
 from qworker.worker.sources.base import Message, Source
-from qworker.worker.summary import RunSummary
 
 log = logging.getLogger(__name__)
 
 
+class Delivered(Enum):
+    """Where a dead letter went."""
+
+    TARGET = "target"  # the source's dead-letter target (the source acked it)
+    SINK = "sink"  # <prefix>/_dead_letters/ in the sink (to be acked)
+    NOWHERE = "nowhere"  # neither could take it in time: hand the message back
+
+
+def dead_letter_record(msg: Message, reason: str, source: Source) -> dict[str, Any]:
+    """The record written under ``_dead_letters/`` for ``msg`` (docs/formats.md)."""
+    ids = peek_ids(msg.body)
+    size = msg.size if msg.size is not None else len(msg.body)
+    return {
+        "object": "qworker.dead_letter",
+        "source": source.kind,
+        "message_id": msg.message_id,
+        "position": source.position(msg),
+        "reason": reason,
+        "custom_id": ids.custom_id,
+        "batch_id": ids.batch_id,
+        "size": size,
+        "body_truncated": len(msg.body) < size,
+        "body_base64": base64.b64encode(msg.body).decode("ascii"),
+        "received_at": msg.received_at,
+        "dead_lettered_at": time.time(),
+    }
+
+
 class DeadLetters:
-    """Sends dead letters through ``source``; ``deadline()`` is the drain's end, if any."""
+    """Delivers dead letters for one worker; see the module docstring."""
 
-    def __init__(self, source: Source, outage_seconds: float, drain: DrainControl,
-                 metrics: WorkerMetrics, summary: RunSummary,
-                 deadline: Callable[[], float | None], on_exhausted: Callable[[str], None],
-                 backoff: Backoff | None = None) -> None:
+    def __init__(self, source: Source, retrier: Retrier, writer: ResultWriter) -> None:
         self.source = source
-        self.outage = Outage("dead_letter", outage_seconds, metrics.set_problem)
-        self.drain = drain
-        self.metrics = metrics
-        self.summary = summary
-        self._deadline = deadline
-        self._on_exhausted = on_exhausted
-        self._backoff = backoff or Backoff(first=0.2, cap=5.0)
+        self.retrier = retrier
+        self.writer = writer
 
-    async def send(self, msg: Message, reason: str) -> None:
-        """Dead-letter ``msg`` with ``reason``; see the module docstring."""
-        attempt = 0
-        while True:
+    async def deliver(self, msg: Message, reason: str,
+                      send: Callable[[], Awaitable[None]]) -> tuple[Delivered, str]:
+        """Dead-letter ``msg``: ``send()`` to the target first, if the source has one.
+
+        Returns where it went and the reason as recorded (a refusal is appended).
+        """
+        extra = {"message_id": msg.message_id}
+        if self.source.has_dead_letter_target:
             try:
-                await self.source.dead_letter(msg, reason)
-                break
-            except Exception as exc:
-                attempt += 1
-                now = time.monotonic()
-                self.outage.failed(exc, now)
-                deadline = self._deadline()
-                exhausted = self.outage.exhausted(now)
-                if exhausted or self.drain.immediate.is_set() or (
-                        deadline is not None and now >= deadline):
-                    log.error("dead letter not sent, message left unacked: %s", exc,
-                              extra={"message_id": msg.message_id})
-                    self.summary.abandoned += 1
-                    await self.source.abandon(msg)
-                    if exhausted:
-                        self._on_exhausted(f"dead-letter target failing for "
-                                           f"{self.outage.down_for(now):.0f}s: {exc}")
-                    return
-                delay = self._backoff.delay(attempt)
-                if deadline is not None:
-                    delay = max(0.0, min(delay, deadline - now))
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.drain.immediate.wait(), delay)
-        self.outage.recovered()
-        self.summary.dead_lettered += 1
-        self.metrics.jobs_dead_lettered.inc()
+                await self.retrier.call(send, "dead letter", extra)
+                return Delivered.TARGET, reason
+            except GaveUp as gave_up:
+                if gave_up.why is not GiveUp.REFUSED:
+                    log.error("dead letter not sent, message handed back: %s", gave_up.cause,
+                              extra=extra)
+                    return Delivered.NOWHERE, reason
+                reason = f"{reason} (the dead-letter target refused it: {gave_up.cause})"
+        record = dead_letter_record(msg, reason, self.source)
+        key = dead_letter_key(self.writer.prefix, self.source.kind, msg.message_id)
+        outcome = await self.writer.store(key, record, None, log_extra=extra)
+        if outcome.stored in (Stored.WRITTEN, Stored.DUPLICATE):
+            log.warning("dead letter written to the sink at %s: %s", key, reason, extra=extra)
+            return Delivered.SINK, reason
+        log.error("dead letter could not be written to the sink (%s), message handed back",
+                  outcome.refusal or outcome.stored.value, extra=extra)
+        return Delivered.NOWHERE, reason

@@ -110,6 +110,10 @@ class EchoEngine:
             token_ids, text = list(prompt.encode("utf-8")), prompt
         else:
             token_ids, text = list(prompt), None
+            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < 256]
+            if bad:  # its vocabulary is the 256 byte values, as the real engine checks its own
+                raise InvalidRequestError(
+                    f"prompt token ids must be integers in [0, 256); got {bad[:5]!r}")
         if not token_ids:
             raise InvalidRequestError("prompt must not be empty")
         if len(token_ids) + 1 > self.max_model_len:

@@ -5,20 +5,23 @@ ready jobs in order while ``Admission.fits`` (the KV projection) allows. Jobs se
 by a failed engine step go first, one suspect group at a time and alone in the engine
 (``isolated``), so the job that breaks steps is found by halving its group
 (docs/operations.md, "Engine failures"). A job the engine refuses, or whose deadline
-passed at the gate, goes to ``on_reject`` for its error line.
+passed at the gate (``Job.expired``), goes to ``on_reject`` for its error line.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
 import uuid
 from collections.abc import Callable
 
+from qworker.errors import BatchExpiredError
 from qworker.worker.admission import Admission, Growth
 from qworker.worker.engine_thread import EngineLike, EngineThread
-from qworker.worker.job_table import JobTable, ReadyJob
-from qworker.worker.requests import expired_error
+from qworker.worker.job import Job, JobState
+from qworker.worker.job_table import JobTable
+from qworker.worker.requests import job_error
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +31,7 @@ class Gate:
 
     def __init__(self, table: JobTable, admission: Admission, engine: EngineLike,
                  thread: EngineThread, block_size: int,
-                 on_reject: Callable[[ReadyJob, BaseException], None]) -> None:
+                 on_reject: Callable[[Job, BaseException], None]) -> None:
         self.table = table
         self.admission = admission
         self.engine = engine
@@ -47,10 +50,13 @@ class Gate:
         active = table.busy - len(table.deferred)
         return self.admission.room(self.engine.stats(), self.thread.pending_blocks, active)
 
-    def released(self, request_id: str, growth: Growth) -> None:
-        """A job left the engine (finished, aborted, or taken back after a failed step)."""
-        self.isolated.discard(request_id)
-        self.admission.released(growth, self.block_size)
+    def released(self, job: Job) -> None:
+        """``job`` left the engine (finished, aborted, or taken back after a failed step)."""
+        if job.request_id is not None:
+            self.isolated.discard(job.request_id)
+        if job.growth is not None:
+            self.admission.released(job.growth, self.block_size)
+            job.growth = None
 
     def admit(self) -> None:
         """Submit suspects (a group alone) or ready jobs while the pool can take them."""
@@ -58,49 +64,49 @@ class Gate:
         if self.isolated:
             return
         if table.suspects:
-            if table.inflight:
+            if table.running:
                 return  # let the engine empty first: the group must run alone
             with thread.batch():
-                for job in table.suspects.popleft():
-                    rid = self._submit(job, None)
-                    if rid is not None:
-                        self.isolated.add(rid)
+                for job in list(table.suspects[0]):
+                    if self._submit(job, None):
+                        assert job.request_id is not None
+                        self.isolated.add(job.request_id)
             return
         with thread.batch():  # the jobs admitted together are prefilled together
             while table.ready:
                 job = table.ready[0]
-                n_tokens = len(job.prepared.token_ids)
                 growth = self._growth(job)
-                admitted = [entry.growth for entry in table.inflight.values()]
-                need = max(1, math.ceil(n_tokens / self.block_size))
+                admitted = [j.growth for j in table.running.values() if j.growth is not None]
+                need = max(1, math.ceil(len(job.token_ids) / self.block_size))
                 if not self.admission.fits(self.engine.stats(), thread.pending_blocks, need,
                                            admitted, growth, thread.steps, self.block_size):
                     return
-                table.ready.popleft()
                 self._submit(job, growth)
 
-    def _growth(self, job: ReadyJob) -> Growth:
-        params = job.prepared.job.params
-        return self.admission.growth(len(job.prepared.token_ids), params.max_tokens, params.n,
+    def _growth(self, job: Job) -> Growth:
+        assert job.spec is not None
+        params = job.spec.params
+        return self.admission.growth(len(job.token_ids), params.max_tokens, params.n,
                                      self.engine.max_model_len, self.thread.steps)
 
-    def _submit(self, job: ReadyJob, growth: Growth | None) -> str | None:
-        prepared, spec = job.prepared, job.prepared.job
-        expired = expired_error(spec)
-        if expired is not None:
-            self._on_reject(job, expired)
-            return None
+    def _submit(self, job: Job, growth: Growth | None) -> bool:
+        """Hand ``job`` to the engine; False when it was rejected (its record follows)."""
+        assert job.spec is not None
+        if job.expired():
+            self._on_reject(job, BatchExpiredError(
+                f"deadline {job.deadline:.0f} passed before the job started"))
+            return False
         growth = growth or self._growth(job)
         request_id = uuid.uuid4().hex
         try:
-            self.thread.submit(request_id, prepared.text, prepared.token_ids, spec.params,
+            self.thread.submit(request_id, job.text, job.token_ids, job.spec.params,
                                job.msg.received_at)
         except Exception as exc:  # any rejection becomes the job's record
-            self._on_reject(job, exc)
-            return None
-        self.admission.observe_prompt(len(prepared.token_ids), self.block_size)
-        self.table.admit(job, request_id, growth)
+            self._on_reject(job, job_error(exc, "submit it to the engine"))
+            return False
+        job.request_id, job.growth, job.admitted = request_id, growth, time.monotonic()
+        self.table.move(job, JobState.RUNNING)
+        self.admission.observe_prompt(len(job.token_ids), self.block_size)
         self.admission.admitted(growth, self.block_size)
-        log.debug("admitted as %s", request_id,
-                  extra={"custom_id": spec.custom_id, "message_id": job.msg.message_id})
-        return request_id
+        log.debug("admitted as %s", request_id, extra=job.log_ids())
+        return True

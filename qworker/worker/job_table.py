@@ -1,136 +1,104 @@
-"""Where every unacked job of a worker is, and why the worker aborted it.
+"""The index over a worker's unsettled ``Job`` records (qworker/worker/job.py).
 
-A received message is in exactly one place until its fate is recorded (ack,
-abandon, dead letter): being prepared or stored (a background *task*), *ready* at the
-admission gate, in a *suspect* group waiting to be retried after a failed engine step,
-*deferred* (it failed alone, but no other job has yet shown that the engine works),
-or *in flight* inside the engine (by request id, with ``by_message`` for revocations).
-``JobTable`` holds those containers; the worker loop moves jobs between them.
+A job's ``state`` says where it is; the table keeps the few orderings the worker needs
+to act on states quickly: the admission queue (``ready``, in arrival order), the
+suspect groups of a failed step (``suspects``, tried in order), the ``deferred``
+jobs, and the jobs in the engine by request id (``running``). ``move`` is the one
+place a job changes state, so the indexes always agree with the records; ``settled``
+drops a record once its fate is known. Event loop only.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
+import contextlib
+import itertools
 from collections import deque
-from collections.abc import Callable, Coroutine, Iterable
-from dataclasses import dataclass
-from enum import Enum
-from typing import Any
+from collections.abc import Iterable, Iterator
 
-from qworker.worker.admission import Growth
-from qworker.worker.requests import Prepared
+from qworker.worker.job import Job, JobState
 from qworker.worker.sources.base import Message
 
-log = logging.getLogger(__name__)
-
-
-class AbortReason(Enum):
-    """Why the worker aborted a request inside the engine."""
-
-    EXPIRED = "expired"  # its deadline passed: a batch_expired record
-    DRAIN = "drain"  # the worker stops: handed back to the source
-    REVOKED = "revoked"  # Kafka moved its partition elsewhere: dropped here
-    STEP_FAILED = "step_failed"  # an engine step failed: retried (docs/operations.md)
-
-
-@dataclass(slots=True)
-class ReadyJob:
-    """A parsed, tokenized job whose message is not acked yet."""
-
-    msg: Message
-    prepared: Prepared
-
-    @property
-    def custom_id(self) -> str:
-        """The job's custom_id (for log lines)."""
-        return self.prepared.job.custom_id
-
-
-@dataclass(slots=True)
-class InFlightJob:
-    """A job inside the engine, keyed by its engine request id."""
-
-    ready: ReadyJob
-    request_id: str
-    growth: Growth
-    abort_reason: AbortReason | None = None
+S = JobState
 
 
 class JobTable:
-    """The containers of one worker's unacked jobs; used from its event loop only."""
+    """Every job received and not yet settled, with its state indexes."""
 
     def __init__(self) -> None:
-        self.ready: deque[ReadyJob] = deque()
-        self.suspects: deque[list[ReadyJob]] = deque()
-        self.deferred: list[ReadyJob] = []
-        self.inflight: dict[str, InFlightJob] = {}
-        self.by_message: dict[str, str] = {}
-        self.tasks: set[asyncio.Task[Any]] = set()
+        self.jobs: dict[int, Job] = {}
+        self.ready: deque[Job] = deque()
+        self.suspects: deque[list[Job]] = deque()
+        self.deferred: list[Job] = []
+        self.running: dict[str, Job] = {}
+        self._seq = itertools.count(1)
 
     @property
     def busy(self) -> int:
-        """Unacked jobs: at the gate, suspected, in the engine, or in a background task."""
-        return (len(self.ready) + sum(len(g) for g in self.suspects) + len(self.deferred)
-                + len(self.inflight) + len(self.tasks))
+        """Jobs received here and not settled, in any state."""
+        return len(self.jobs)
 
-    def admit(self, job: ReadyJob, request_id: str, growth: Growth) -> InFlightJob:
-        """Record that ``job`` entered the engine as ``request_id``."""
-        entry = InFlightJob(job, request_id, growth)
-        self.inflight[request_id] = entry
-        self.by_message[job.msg.message_id] = request_id
-        return entry
+    def __iter__(self) -> Iterator[Job]:
+        return iter(list(self.jobs.values()))
 
-    def finish(self, request_id: str) -> InFlightJob | None:
-        """Take ``request_id`` out of the engine's set; None if unknown (already taken)."""
-        entry = self.inflight.pop(request_id, None)
-        if entry is not None:
-            self.by_message.pop(entry.ready.msg.message_id, None)
-        return entry
+    def receive(self, msg: Message) -> Job:
+        """A new record for ``msg`` (state ``RECEIVED``)."""
+        job = Job(next(self._seq), msg)
+        self.jobs[job.seq] = job
+        return job
 
-    def take_all_inflight(self) -> list[InFlightJob]:
-        """Every job in the engine, removed from the table."""
-        entries = list(self.inflight.values())
-        self.inflight.clear()
-        self.by_message.clear()
-        return entries
+    def move(self, job: Job, state: JobState) -> None:
+        """Change ``job``'s state and keep the indexes in step with it.
 
-    def take_waiting(self) -> list[ReadyJob]:
-        """Every job at the gate, suspected or deferred, removed from the table."""
-        waiting = ([job for group in self.suspects for job in group] + self.deferred
-                   + list(self.ready))
-        self.suspects.clear()
-        self.deferred = []
-        self.ready.clear()
-        return waiting
+        Entering ``SUSPECT`` goes through ``suspect`` (jobs enter it as groups).
+        """
+        self._unindex(job)
+        job.move(state)
+        if state is S.READY:
+            self.ready.append(job)
+        elif state is S.RUNNING:
+            assert job.request_id is not None
+            self.running[job.request_id] = job
+        elif state is S.DEFERRED:
+            self.deferred.append(job)
+        elif state is S.SUSPECT:
+            self.suspects.append([job])
 
-    def revoke(self, message_ids: Iterable[str]) -> list[InFlightJob]:
-        """Forget waiting jobs of ``message_ids``; return their in-flight ones (to abort)."""
-        revoked = set(message_ids)
-        self.ready = deque(j for j in self.ready if j.msg.message_id not in revoked)
-        groups = ([j for j in g if j.msg.message_id not in revoked] for g in self.suspects)
-        self.suspects = deque(g for g in groups if g)
-        self.deferred = [j for j in self.deferred if j.msg.message_id not in revoked]
-        out = []
-        for mid in revoked:
-            rid = self.by_message.get(mid)
-            entry = self.inflight.get(rid) if rid is not None else None
-            if entry is not None:
-                out.append(entry)
-        return out
+    def suspect(self, groups: Iterable[list[Job]], front: bool = True) -> None:
+        """Queue ``groups`` of jobs to run again, each group alone (first ones first)."""
+        groups = [g for g in groups if g]
+        for group in groups:
+            for job in group:
+                self._unindex(job)
+                job.move(S.SUSPECT)
+        if front:
+            self.suspects.extendleft(reversed(groups))
+        else:
+            self.suspects.extend(groups)
 
-    def spawn(self, coro: Coroutine[Any, Any, Any],
-              on_done: Callable[[asyncio.Task[Any]], None] | None = None) -> asyncio.Task[Any]:
-        """Run ``coro`` as a background task counted in ``busy`` until it ends."""
-        task = asyncio.create_task(coro)
-        self.tasks.add(task)
+    def settled(self, job: Job) -> None:
+        """Forget ``job``: its fate is known (called by ``settle`` only)."""
+        self._unindex(job)
+        self.jobs.pop(job.seq, None)
 
-        def done(t: asyncio.Task[Any]) -> None:
-            self.tasks.discard(t)
-            if not t.cancelled() and t.exception() is not None:
-                log.error("job task failed", exc_info=t.exception())
-            if on_done is not None:
-                on_done(t)
+    def in_state(self, *states: JobState) -> list[Job]:
+        """The jobs in any of ``states``, oldest first."""
+        return [job for job in self.jobs.values() if job.state in states]
 
-        task.add_done_callback(done)
-        return task
+    def waiting(self) -> list[Job]:
+        """Jobs that have not started in the engine: suspected, deferred, then ready."""
+        return ([job for group in self.suspects for job in group] + list(self.deferred)
+                + list(self.ready))
+
+    def _unindex(self, job: Job) -> None:
+        state = job.state
+        if state is S.READY:
+            with contextlib.suppress(ValueError):
+                self.ready.remove(job)
+        elif state is S.RUNNING:
+            if job.request_id is not None and self.running.get(job.request_id) is job:
+                del self.running[job.request_id]
+        elif state is S.DEFERRED:
+            self.deferred = [j for j in self.deferred if j is not job]
+        elif state is S.SUSPECT:
+            groups = ([j for j in g if j is not job] for g in self.suspects)
+            self.suspects = deque(g for g in groups if g)

@@ -4,7 +4,9 @@
 tokenized once, validated: an over-long prompt is rejected here, before admission) or
 into its outcome without the engine: a dead letter or an error record. ``record_for``
 turns what the engine returned into the job's result line. Both are plain CPU work:
-the worker runs them on a thread pool, never on its event loop.
+the worker runs them on a thread pool, never on its event loop. Neither lets an
+exception out for bad input: ``job_error`` says what any failure on one job's path
+means for its record (an input problem is ``invalid_request``, ours ``server_error``).
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from qworker.engine.outputs import RequestOutput
-from qworker.errors import BatchExpiredError, EngineError, QworkerError
-from qworker.schema import Job, JobKind, error_record_for, parse_job, success_record
+from qworker.errors import BatchExpiredError, EngineError, InvalidRequestError, QworkerError
+from qworker.schema import Job, JobKind, ParsedJob, error_record_for, parse_job, success_record
 from qworker.schema.jobs import logprob_volume_error
+from qworker.schema.peek import PeekedIds
 from qworker.worker.engine_thread import EngineLike
 
 
@@ -25,17 +28,13 @@ from qworker.worker.engine_thread import EngineLike
 class Prepared:
     """A valid job with its prompt already tokenized and checked against the engine.
 
-    ``text`` is the prompt text (None for chat jobs and token-id prompts);
-    ``solo_failures`` counts engine steps that failed while it ran alone, and
-    ``completions_seen`` how many jobs the worker had completed at the first of them.
+    ``text`` is the prompt text (None for chat jobs and token-id prompts).
     """
 
     job: Job
     text: str | None
     token_ids: list[int]
     fingerprint: str | None = None
-    solo_failures: int = 0
-    completions_seen: int = 0
 
 
 @dataclass(slots=True)
@@ -53,16 +52,54 @@ class Unserved:
     code: str = ""
 
 
+def job_error(exc: BaseException, doing: str) -> Exception:
+    """What a failure while ``doing`` something for one job means for its record.
+
+    A ``QworkerError`` is itself; too deep a recursion over the job's data, or text
+    that is not valid unicode, is the request's fault (``invalid_request``); anything
+    else is ours (the record says ``engine_error``, a 500 ``server_error``).
+    """
+    if isinstance(exc, QworkerError):
+        return exc
+    if isinstance(exc, RecursionError):
+        return InvalidRequestError(f"the request is nested too deeply to {doing}")
+    if isinstance(exc, UnicodeError):
+        return InvalidRequestError(f"the request holds text that is not valid unicode "
+                                   f"({doing}): {exc}")
+    return EngineError(f"qworker failed to {doing}: {type(exc).__name__}: {exc}")
+
+
 def prepare(engine: EngineLike, body: bytes, max_job_bytes: int,
-            now: float | None = None) -> Prepared | Unserved:
-    """Parse, validate and tokenize one message (never raises)."""
-    parsed = parse_job(body, max_job_bytes)
+            now: float | None = None, size: int | None = None,
+            ids: PeekedIds | None = None) -> Prepared | Unserved:
+    """Parse, validate and tokenize one message; never raises.
+
+    ``size``: the message's full size when ``body`` is only its head; ``ids``: what a
+    scan of the whole message found (``parse_job``).
+    """
+    try:
+        parsed = parse_job(body, max_job_bytes, size, ids)
+    except Exception as exc:  # parse_job promises not to raise: a bug, not the job's fault
+        return Unserved(None, None, dead_letter=f"qworker could not parse it: "
+                        f"{type(exc).__name__}: {exc}", code="dead_letter")
+    try:
+        return _prepare_parsed(engine, parsed, now)
+    except Exception as exc:
+        error = job_error(exc, "prepare it")
+        if not parsed.custom_id:
+            return Unserved(None, None, dead_letter=str(error), code="dead_letter")
+        return _unserved(parsed.custom_id, parsed.batch_id, error, None, parsed.fingerprint)
+
+
+def _prepare_parsed(engine: EngineLike, parsed: ParsedJob,
+                    now: float | None) -> Prepared | Unserved:
     fingerprint = parsed.fingerprint
     if parsed.dead_letter is not None:
         return Unserved(parsed.custom_id, parsed.batch_id, dead_letter=parsed.dead_letter,
                         code="dead_letter")
     if parsed.job is None:
-        exc = parsed.error or QworkerError("unparseable job")
+        exc = job_error(parsed.error, "validate it") if parsed.error is not None \
+            else QworkerError("unparseable job")
         return _unserved(parsed.custom_id or "", parsed.batch_id, exc, None, fingerprint)
     job = parsed.job
     expired = expired_error(job, now)
@@ -71,7 +108,8 @@ def prepare(engine: EngineLike, body: bytes, max_job_bytes: int,
     try:
         text, token_ids = encode(engine, job)
     except Exception as exc:  # no tokenizer / template, too long: the job's record says so
-        return _unserved(job.custom_id, job.batch_id, exc, job.metadata, fingerprint)
+        return _unserved(job.custom_id, job.batch_id, job_error(exc, "tokenize it"),
+                         job.metadata, fingerprint)
     if job.want_logprobs and job.params.max_tokens is None:
         # Unbounded output: the cap applies to what the context leaves room for.
         room = max(1, engine.max_model_len - len(token_ids))

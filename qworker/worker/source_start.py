@@ -1,9 +1,10 @@
-"""Starting a source: raced against a drain, retried through an outage.
+"""Starting a source: raced against a drain, retried through the source's ``Retrier``.
 
 A group join or an unreachable broker can hold ``source.start()`` for as long as the
 client library likes; a SIGTERM meanwhile must still exit within the drain budget, and
 a broker that is down at start is ridden out like any source outage
-(docs/operations.md). A ``StartupError`` (a missing queue or topic) is not retried.
+(docs/operations.md). A ``StartupError`` (a missing queue, topic or dead-letter
+target) is a configuration error: not retried, raised after closing the source.
 """
 
 from __future__ import annotations
@@ -15,12 +16,10 @@ from enum import Enum
 
 from qworker.worker.drain import DrainControl
 from qworker.worker.failures import StartupError
-from qworker.worker.outage import Backoff, Outage
+from qworker.worker.retry import GaveUp, GiveUp, Retrier
 from qworker.worker.sources.base import Source
 
 log = logging.getLogger(__name__)
-
-_CLOSE_S = 5.0  # longest wait to close a source whose start did not complete
 
 
 class Started(Enum):
@@ -31,14 +30,12 @@ class Started(Enum):
     UNREACHABLE = "unreachable"  # the outage budget ran out (exit 69)
 
 
-async def start_source(source: Source, drain: DrainControl, outage: Outage,
-                       backoff: Backoff, drain_seconds: float) -> Started:
-    """Start ``source``; see the module docstring. Closes it unless it started.
+async def start_source(source: Source, drain: DrainControl, retrier: Retrier,
+                       close_s: float) -> Started:
+    """Start ``source``; see the module docstring. Closes it (within ``close_s``) unless
+    it started. ``retrier`` should wake on ``drain.draining``."""
 
-    Raises ``StartupError`` (after closing the source) for a configuration problem.
-    """
-    attempt = 0
-    while True:
+    async def attempt() -> bool:
         start = asyncio.ensure_future(source.start())
         drained = asyncio.ensure_future(drain.draining.wait())
         try:
@@ -49,35 +46,34 @@ async def start_source(source: Source, drain: DrainControl, outage: Outage,
         finally:
             drained.cancel()
         if not start.done():
-            log.warning("drain requested while the source was starting: not serving")
             start.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await start
-            await _close(source, drain_seconds)
-            return Started.DRAINED
-        try:
-            start.result()
-            outage.recovered()
-            return Started.STARTED
-        except StartupError:
-            await _close(source, drain_seconds)
-            raise
-        except Exception as exc:  # unreachable for now: retried within the budget
-            attempt += 1
-            outage.failed(exc)
-            if outage.exhausted():
-                log.error("source unreachable at start: %s", exc)
-                await _close(source, drain_seconds)
-                return Started.UNREACHABLE
-            log.warning("source start failed (attempt %d), retrying: %s", attempt, exc)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(drain.draining.wait(), backoff.delay(attempt))
+            return False
+        start.result()  # raises what the start raised: classified by the retrier
+        return True
 
-
-async def _close(source: Source, drain_seconds: float) -> None:
-    budget = min(_CLOSE_S, max(1.0, drain_seconds))
     try:
-        await asyncio.wait_for(source.close(), budget)
+        started = await retrier.call(attempt, "source start")
+    except StartupError:
+        await _close(source, close_s)
+        raise
+    except GaveUp as gave_up:
+        await _close(source, close_s)
+        if gave_up.why is GiveUp.DRAINED:
+            return Started.DRAINED
+        log.error("source unreachable at start: %s", gave_up.cause)
+        return Started.UNREACHABLE
+    if not started:
+        log.warning("drain requested while the source was starting: not serving")
+        await _close(source, close_s)
+        return Started.DRAINED
+    return Started.STARTED
+
+
+async def _close(source: Source, budget: float) -> None:
+    try:
+        await asyncio.wait_for(source.close(), max(0.5, budget))
     except TimeoutError:
         log.warning("source did not close within %.1fs after its start", budget)
     except Exception as exc:

@@ -7,14 +7,15 @@ failing alone ``max_job_attempts`` times and after some other job completed sinc
 first solo failure (proof that the engine itself works); without that proof it is
 *deferred* while other jobs run. Failed steps in a row with no job completing in
 between, beyond what bisection and the solo attempts explain, mean the engine itself is
-broken (exit 70). Pure bookkeeping over a ``JobTable``: no I/O, event loop only.
+broken (exit 70). Pure bookkeeping over the ``JobTable``: no I/O, event loop only.
 """
 
 from __future__ import annotations
 
 import math
 
-from qworker.worker.job_table import JobTable, ReadyJob
+from qworker.worker.job import Job, JobState
+from qworker.worker.job_table import JobTable
 
 #: Failed steps in a row, beyond what bisecting the jobs and retrying the last one
 #: alone explain, before the engine counts as broken.
@@ -46,10 +47,9 @@ class StepFailures:
         self.completions += 1
         self.streak = 0
         if self.table.deferred:
-            self.table.suspects.extend([job] for job in self.table.deferred)
-            self.table.deferred = []
+            self.table.suspect(([job] for job in list(self.table.deferred)), front=False)
 
-    def failed(self, group: list[ReadyJob], in_flight: int) -> list[ReadyJob]:
+    def failed(self, group: list[Job], in_flight: int) -> list[Job]:
         """A step failed with ``group`` (its retryable jobs) among ``in_flight`` requests.
 
         Requeues them (halved, alone again, or deferred) and returns the jobs whose
@@ -60,28 +60,25 @@ class StepFailures:
         self.streak += 1
         if len(group) > 1:
             half = len(group) // 2
-            self.table.suspects.appendleft(group[half:])
-            self.table.suspects.appendleft(group[:half])
+            self.table.suspect([group[:half], group[half:]], front=True)
             return []
         if not group:
             return []
         job = group[0]
-        prepared = job.prepared
-        if prepared.solo_failures == 0:
-            prepared.completions_seen = self.completions
-        prepared.solo_failures += 1
-        if prepared.solo_failures < self.max_job_attempts:
-            self.table.suspects.appendleft([job])
+        if job.solo_failures == 0:
+            job.completions_seen = self.completions
+        job.solo_failures += 1
+        if job.solo_failures < self.max_job_attempts:
+            self.table.suspect([[job]], front=True)
             return []
-        if self.completions == prepared.completions_seen:
+        if self.completions == job.completions_seen:
             # No other job completed since this one first failed alone: the engine itself
             # may be broken. Let the others run (a completion brings it back); if they
             # fail too, that is a broken engine; if there are none, ``judge_deferred``.
-            self.table.deferred.append(job)
+            self.table.move(job, JobState.DEFERRED)
             return []
         return [job]
 
-    def judge_deferred(self) -> list[ReadyJob]:
+    def judge_deferred(self) -> list[Job]:
         """Nothing else is left to run: the deferred jobs' verdict is ``engine_error``."""
-        jobs, self.table.deferred = self.table.deferred, []
-        return jobs
+        return list(self.table.deferred)

@@ -21,7 +21,18 @@ class RunSummary:
     conflicts: int = 0
     step_failures: int = 0
     dead_lettered: int = 0
+    #: Dead letters written to the sink's ``_dead_letters/`` (no target, or it refused).
+    dead_lettered_to_sink: int = 0
     abandoned: int = 0
+    revoked: int = 0
+    #: How many jobs ended with each fate (``qworker.worker.job.Fate`` values).
+    fates: Counter[str] = field(default_factory=Counter)
+    #: Exceptions on one job's path that the supervisor turned into that job's fate.
+    job_failures: int = 0
+    #: Source calls (ack / abandon) that failed: the message is delivered again.
+    source_call_errors: int = 0
+    #: A bug guard: settles refused because the job was already settled (always 0).
+    settled_twice: int = 0
     sink_failures: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
@@ -55,6 +66,11 @@ class RunSummary:
         self.num_preemptions = stats.num_preemptions
 
     @property
+    def settled(self) -> int:
+        """Jobs settled so far, any fate (equals ``received`` once a run has drained)."""
+        return sum(self.fates.values())
+
+    @property
     def elapsed(self) -> float:
         """Seconds from start to finish (or now)."""
         return (self.finished or time.monotonic()) - self.started
@@ -76,10 +92,12 @@ class RunSummary:
         done = sum(self.completed.values())
         secs = max(self.elapsed, 1e-9)
         statuses = ", ".join(f"{k}={v}" for k, v in sorted(self.completed.items())) or "none"
+        to_sink = f" ({self.dead_lettered_to_sink} to the sink)" if self.dead_lettered_to_sink \
+            else ""
         return (
             f"jobs: received {self.received}, completed {done} ({statuses}), "
             f"duplicates {self.duplicates}, conflicts {self.conflicts}, "
-            f"dead-lettered {self.dead_lettered}, abandoned {self.abandoned}, "
+            f"dead-lettered {self.dead_lettered}{to_sink}, abandoned {self.abandoned}, "
             f"engine step failures {self.step_failures}\n"
             f"tokens: prompt {self.prompt_tokens}, generated {self.generation_tokens} "
             f"in {secs:.1f}s = {self.generation_tokens / secs:.1f} tok/s, "
@@ -97,7 +115,11 @@ class RunSummary:
             "conflicts": self.conflicts,
             "step_failures": self.step_failures,
             "dead_lettered": self.dead_lettered,
+            "dead_lettered_to_sink": self.dead_lettered_to_sink,
             "abandoned": self.abandoned,
+            "revoked": self.revoked,
+            "fates": dict(self.fates),
+            "job_failures": self.job_failures,
             "elapsed_s": round(self.elapsed, 3),
             "prompt_tokens": self.prompt_tokens,
             "generation_tokens": self.generation_tokens,

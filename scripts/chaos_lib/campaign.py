@@ -8,12 +8,19 @@ acks, latency) come from the proxy between the workers and moto for the whole ru
 SQS outages from a second proxy in front of SQS. Engine faults come from the echo
 engine's fault options (random step failures, jobs that break every step, a step
 that never returns). Every worker's exit code is checked against the contract
-(docs/operations.md).
+(docs/operations.md). The hostile-input campaign (``hostile``, ``refusing_dlq``) adds
+messages built to break a worker (``chaos_lib.hostile``) on any of the three sources
+(``queue`` "kafka", "sqs" or "file", the embedded spool with one worker), and a
+dead-letter target that refuses some of them (SQS: a DLQ with a 1 KiB size limit;
+Kafka: a DLQ topic whose schema takes JSON objects only): every hostile job must get
+exactly one record with its code, every other hostile message must reach the
+dead-letter target or the sink's ``_dead_letters/``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import logging
@@ -32,6 +39,7 @@ from typing import Any
 
 from .checker import CheckResult, check_results, error_code, list_keys
 from .fleet import Fate, Fleet
+from .hostile import Hostile, make_hostile
 from .jobs import ENGINE_POISON, JobSet, make_jobs
 from .proxy import ChaosProxy
 from .report import Report
@@ -46,7 +54,7 @@ RESULTS_BUCKET = "chaos-results"
 class CampaignConfig:
     """Everything a campaign varies; defaults are the full Kafka campaign."""
 
-    queue: str = "kafka"                 # "kafka" | "sqs"
+    queue: str = "kafka"                 # "kafka" | "sqs" | "file" (one worker on a spool)
     jobs: int = 2000
     workers: int = 3
     duration: float = 1200.0             # give up (and fail) after this many seconds
@@ -79,9 +87,12 @@ class CampaignConfig:
     idle_restarts: int = 0               # SIGKILL + at once a fresh worker, --until-idle 1
     source_outages: int = 0              # SQS endpoint failing / Kafka broker down
     source_outage_seconds: float = 8.0
-    dlq_missing_seconds: float = 0.0     # SQS: the workers' DLQ appears this long after start
+    dlq_missing_seconds: float = 0.0     # SQS: the workers' DLQ is gone this long mid-run
     conflicts: int = 0                   # second requests reusing a valid job's custom_id
     read_only_home: bool = False         # HOME (and XDG/HF caches) on a read-only directory
+    hostile: int = 0                     # hostile messages (chaos_lib.hostile), all cases
+    refusing_dlq: bool = False           # a dead-letter target that refuses some messages
+    max_job_bytes: int = 64 << 10        # the workers' QWORKER_MAX_JOB_BYTES with hostile
     work_dir: Path | None = None
     moto_url: str | None = None          # reuse a running moto (tests' fixture)
     kafka_bootstrap: str | None = None   # reuse a running broker (no broker restarts then)
@@ -134,9 +145,18 @@ class Campaign:
         self.jobs: JobSet = make_jobs(cfg.jobs, self.batch_id, self.rng, cfg.invalid_share,
                                       cfg.poison, engine_poison=cfg.engine_poison,
                                       conflicts=cfg.conflicts)
+        self.hostile: list[Hostile] = make_hostile(cfg.hostile, self.batch_id, self.rng,
+                                                   cfg.max_job_bytes,
+                                                   text_only=cfg.queue == "sqs")
+        for h in self.hostile:  # their records are checked like any job's
+            if h.custom_id is not None:
+                self.jobs.expected[h.custom_id] = h.code or "ok"
+                self.jobs.nonces[h.custom_id] = h.nonce or "nonce-none"
+        self.spool = self.dir / "spool.jsonl"
+        self.schema_dir = self.dir / "schema"
+        self._dlq_back_at: float | None = None
         self.sqs_proxy: ChaosProxy | None = None
         self._source_outage_ends: float | None = None
-        self._dlq_timer: threading.Timer | None = None
         self.late_dlq_url = ""
         self.source_uri = ""
         self._trickle: threading.Thread | None = None
@@ -144,6 +164,9 @@ class Campaign:
         self._outage_ends: float | None = None
         self.dlq_url = ""
         self.queue_url = ""
+        self._sink_letters: list[bytes] = []
+        self._late_dlq_attrs: dict[str, str] = {}
+        self._saved_dlq: list[bytes] = []  # DLQ contents read before the campaign deleted it
 
     # -- setup ---------------------------------------------------------------------
     def _start_servers(self) -> str:
@@ -156,8 +179,16 @@ class Campaign:
         for bucket in (RESULTS_BUCKET, "tansu"):
             with contextlib.suppress(s3.exceptions.BucketAlreadyOwnedByYou):
                 s3.create_bucket(Bucket=bucket)
-        if self.cfg.queue == "kafka" and self.cfg.kafka_bootstrap is None:
-            self.broker = TansuBroker(self.dir, s3_url=moto_url)
+        if self.cfg.queue == "kafka" and (self.cfg.kafka_bootstrap is None
+                                          or self.cfg.refusing_dlq):
+            schemas = None
+            if self.cfg.refusing_dlq:
+                # The DLQ topic takes JSON objects only: tansu refuses the rest for good.
+                self.schema_dir.mkdir(exist_ok=True)
+                (self.schema_dir / f"{self.topic}.dlq.json").write_text(
+                    '{"type": "object", "properties": {"value": {"type": "object"}}}')
+                schemas = self.schema_dir
+            self.broker = TansuBroker(self.dir, s3_url=moto_url, schema_dir=schemas)
             self.broker.start()
         self.proxy = ChaosProxy(moto_url, error_rate=self.cfg.s3_error_rate,
                                 latency=self.cfg.s3_latency, reset_rate=self.cfg.reset_rate,
@@ -193,12 +224,20 @@ class Campaign:
             for line in self.jobs.conflict_lines:  # around `produce`, which refuses them
                 await producer.send_and_wait(self.topic, json.dumps(line).encode(),
                                              key=line["custom_id"].encode())
+            for h in self.hostile:
+                await producer.send_and_wait(self.topic, h.body)
         finally:
             await producer.stop()
 
     def _sqs_setup(self, moto_url: str) -> None:
         sqs = _sqs(moto_url)
         self.dlq_url = sqs.create_queue(QueueName=f"chaos-dlq-{self.prefix}")["QueueUrl"]
+        if self.cfg.refusing_dlq:
+            # The workers' DLQ takes 1 KiB at most: larger dead letters are refused for good.
+            self._late_dlq_attrs = {"MaximumMessageSize": "1024"}
+            self.late_dlq_url = sqs.create_queue(
+                QueueName=f"chaos-small-dlq-{self.prefix}",
+                Attributes=self._late_dlq_attrs)["QueueUrl"]
         arn = sqs.get_queue_attributes(QueueUrl=self.dlq_url, AttributeNames=["QueueArn"])[
             "Attributes"]["QueueArn"]
         policy = json.dumps({"deadLetterTargetArn": arn,
@@ -215,18 +254,27 @@ class Campaign:
             sqs.send_message(QueueUrl=self.queue_url, MessageBody=json.dumps(line),
                              MessageAttributes={"custom_id": {
                                  "DataType": "String", "StringValue": line["custom_id"]}})
-        if self.cfg.dlq_missing_seconds:
-            # The workers' DLQ does not exist yet: dead letters must be retried, not lost.
-            name = f"chaos-late-dlq-{self.prefix}"
-            self.late_dlq_url = self.queue_url.rsplit("/", 1)[0] + "/" + name
-            self._dlq_timer = threading.Timer(self.cfg.dlq_missing_seconds,
-                                              lambda: sqs.create_queue(QueueName=name))
-            self._dlq_timer.daemon = True
+        for h in self.hostile:
+            sqs.send_message(QueueUrl=self.queue_url, MessageBody=h.body.decode("utf-8"))
+        if self.cfg.dlq_missing_seconds and not self.late_dlq_url:
+            # The workers' own DLQ, deleted mid-run for dlq_missing_seconds (``_fire``).
+            self.late_dlq_url = sqs.create_queue(
+                QueueName=f"chaos-late-dlq-{self.prefix}")["QueueUrl"]
 
     def _produce(self, moto_url: str) -> None:
         if self.cfg.queue == "kafka":
             asyncio.run(self._kafka_setup())
             self.source_uri = f"kafka://{self._bootstrap()}/{self.topic}?group={self.group}"
+            self._produce_file(self.jobs.lines, "jobs.jsonl")
+        elif self.cfg.queue == "file":
+            self.source_uri = f"file://{self.spool}"
+            for stale in (".progress", ".dlq"):  # a reused work dir: start a fresh spool
+                self.spool.with_name(self.spool.name + stale).unlink(missing_ok=True)
+            with self.spool.open("wb") as out:  # raw lines first: produce appends the jobs
+                for body in [*self.jobs.poison, *(json.dumps(x).encode()
+                                                  for x in self.jobs.conflict_lines),
+                             *(h.body for h in self.hostile)]:
+                    out.write(body + b"\n")
             self._produce_file(self.jobs.lines, "jobs.jsonl")
         else:
             self._sqs_setup(moto_url)
@@ -240,6 +288,8 @@ class Campaign:
                 self._trickle.start()
         self.report.jobs_produced = len(self.jobs.lines)
         self.report.poison_produced = len(self.jobs.poison)
+        self.report.hostile_produced = len(self.hostile)
+        self.report.hostile_jobs = sum(1 for h in self.hostile if h.custom_id is not None)
 
     def _produce_file(self, lines: list[dict], name: str) -> None:
         path = self.dir / name
@@ -247,8 +297,10 @@ class Campaign:
         env = {"QWORKER_SQS_ENDPOINT_URL": self.cfg.moto_url or (self.moto.url if self.moto
                                                                   else "")}
         results = ["--results", f"s3://{RESULTS_BUCKET}/{self.prefix}"]
-        if self.cfg.queue == "sqs":
-            results = ["--no-manifest"]  # produced in chunks: no one file holds the batch
+        if self.cfg.queue == "sqs" or self.hostile:
+            # SQS: produced in chunks, no one file holds the batch; hostile jobs are sent
+            # around produce (which refuses them), so no manifest lists them.
+            results = ["--no-manifest"]
         env["QWORKER_S3_ENDPOINT_URL"] = self.cfg.moto_url or (self.moto.url if self.moto
                                                                 else "")
         _qworker(["produce", "-i", str(path), "--to", self.source_uri,
@@ -287,6 +339,8 @@ class Campaign:
             "QWORKER_LOG_FORMAT": "json",
             "QWORKER_ENGINE_STEP_TIMEOUT": str(self.cfg.engine_step_timeout),
         }
+        if self.hostile:
+            env["QWORKER_MAX_JOB_BYTES"] = str(self.cfg.max_job_bytes)
         if self.cfg.queue == "sqs":
             assert self.sqs_proxy is not None
             env["QWORKER_SQS_ENDPOINT_URL"] = self.sqs_proxy.url
@@ -324,6 +378,7 @@ class Campaign:
             kinds += ["broker"] * cfg.broker_restarts + ["source_outage"] * cfg.source_outages
         elif cfg.queue == "sqs":
             kinds += ["source_outage"] * cfg.source_outages
+            kinds += ["dlq_outage"] * (1 if cfg.dlq_missing_seconds else 0)
         return sorted((self.rng.uniform(0.05, 0.85), k) for k in kinds)
 
     def _fire(self, kind: str) -> bool:
@@ -333,6 +388,24 @@ class Campaign:
             self.proxy.configure(error_rate=1.0 - self.cfg.reset_rate)
             self._outage_ends = time.monotonic() + self.cfg.s3_outage_seconds
             self.report.s3_outages += 1
+            return True
+        if kind == "dlq_outage":
+            # The workers' DLQ is gone for a while; a dead letter meets it missing (retried,
+            # never lost). Workers started meanwhile may exit 1 at start: a configured DLQ
+            # that does not exist is a configuration error (docs/operations.md).
+            seconds = self.cfg.dlq_missing_seconds
+            log.info("the workers' DLQ is deleted for %.0f s", seconds)
+            sqs = _sqs(self.cfg.moto_url or (self.moto.url if self.moto else ""))
+            self._saved_dlq += self._receive_all(sqs, self.late_dlq_url)  # deleted with it
+            sqs.delete_queue(QueueUrl=self.late_dlq_url)
+            self._dlq_back_at = time.monotonic() + seconds
+            # Workers still starting (their DLQ check) or started meanwhile may exit 1.
+            self.fleet.allow_config_exits(since=time.monotonic() - 60,
+                                          until=self._dlq_back_at + 1.0)
+            body = b"[\"poison while the DLQ is missing\"]"
+            self.jobs.poison.append(body)
+            self.report.poison_produced += 1
+            sqs.send_message(QueueUrl=self.queue_url, MessageBody=body.decode())
             return True
         if kind == "broker":
             assert self.broker is not None
@@ -388,7 +461,8 @@ class Campaign:
     def _run_fleet(self, moto_url: str) -> None:
         cfg = self.cfg
         argv = self._argv(self._model(), cfg.until_idle)
-        self.fleet = Fleet(cfg.workers, argv, self._worker_env(moto_url), self.dir, self.rng)
+        workers = 1 if cfg.queue == "file" else cfg.workers  # a spool takes one worker
+        self.fleet = Fleet(workers, argv, self._worker_env(moto_url), self.dir, self.rng)
         s3 = _s3(moto_url)
         listing = f"{self.prefix}/"
         plan = self._plan()
@@ -396,8 +470,6 @@ class Campaign:
         deadline = time.monotonic() + cfg.duration
         self.fleet.progress_fn = lambda: self._results(s3, listing)
         self.fleet.start()
-        if self._dlq_timer is not None:
-            self._dlq_timer.start()
         last_count = -1
         while time.monotonic() < deadline:
             count = self._results(s3, listing)
@@ -417,10 +489,15 @@ class Campaign:
                 self.sqs_proxy.configure(error_rate=0.0)
                 self._source_outage_ends = None
                 log.info("source outage over")
+            if self._dlq_back_at is not None and time.monotonic() >= self._dlq_back_at:
+                name = self.late_dlq_url.rsplit("/", 1)[1]
+                _sqs(moto_url).create_queue(QueueName=name, Attributes=self._late_dlq_attrs)
+                self._dlq_back_at = None
+                log.info("the workers' DLQ is back")
             if self._trickle_error is not None:
                 raise RuntimeError("producing jobs failed") from self._trickle_error
             if count >= expected and not plan and self._outage_ends is None \
-                    and self._source_outage_ends is None:
+                    and self._source_outage_ends is None and self._dlq_back_at is None:
                 break
             self.fleet.tick(want_workers=True, progress=count)
             time.sleep(0.3)
@@ -468,7 +545,7 @@ class Campaign:
             committed = [await consumer.committed(tp) or 0 for tp in tps]
             log.info("committed offsets per partition: %s", committed)
             produced = (self.report.jobs_produced + self.report.poison_produced
-                        + len(self.jobs.conflict_lines))
+                        + len(self.jobs.conflict_lines) + len(self.hostile))
             self.report.final_lag = produced - sum(committed)
         finally:
             await consumer.stop()
@@ -494,25 +571,69 @@ class Campaign:
                             "ApproximateNumberOfMessagesNotVisible",
                             "ApproximateNumberOfMessagesDelayed"])["Attributes"]
         self.report.final_lag = sum(int(v) for v in attrs.values())
-        bodies: list[bytes] = []
+        bodies: list[bytes] = list(self._saved_dlq)
         for url in {self.dlq_url, self.late_dlq_url} - {""}:  # redrive DLQ + the workers'
-            while True:
-                got = sqs.receive_message(QueueUrl=url, MaxNumberOfMessages=10,
-                                          VisibilityTimeout=600,
-                                          WaitTimeSeconds=0).get("Messages", [])
-                if not got:
-                    break
-                bodies += [m["Body"].encode() for m in got]
+            bodies += self._receive_all(sqs, url)
         self._count_dlq(bodies)
+
+    @staticmethod
+    def _receive_all(sqs: Any, url: str) -> list[bytes]:
+        bodies: list[bytes] = []
+        while True:
+            got = sqs.receive_message(QueueUrl=url, MaxNumberOfMessages=10,
+                                      VisibilityTimeout=600,
+                                      WaitTimeSeconds=0).get("Messages", [])
+            if not got:
+                return bodies
+            bodies += [m["Body"].encode() for m in got]
+
+    def _file_books(self) -> None:
+        lines = [n for n, raw in enumerate(self.spool.read_bytes().split(b"\n"), 1)
+                 if raw.strip()]
+        done: set[int] = set()
+        progress = self.spool.with_name(self.spool.name + ".progress")
+        for raw in progress.read_text().splitlines() if progress.exists() else []:
+            if raw.startswith("done_through "):
+                done.update(range(1, int(raw.split()[1]) + 1))
+            elif raw.strip().isdigit():
+                done.add(int(raw))
+        self.report.final_lag = len(set(lines) - done)
+        bodies: list[bytes] = []
+        dlq = self.spool.with_name(self.spool.name + ".dlq")
+        for raw in dlq.read_text().splitlines() if dlq.exists() else []:
+            rec = json.loads(raw)
+            bodies.append(base64.b64decode(rec["body_base64"]) if "body_base64" in rec
+                          else rec["body"].encode())
+        self._count_dlq(bodies)
+
+    def _sink_dead_letters(self, moto_url: str) -> list[bytes]:
+        s3 = _s3(moto_url)
+        keys = list_keys(s3, RESULTS_BUCKET, f"{self.prefix}/_dead_letters/")
+        return [base64.b64decode(json.loads(s3.get_object(Bucket=RESULTS_BUCKET, Key=k)[
+            "Body"].read())["body_base64"]) for k in keys]
 
     def _count_dlq(self, bodies: list[bytes]) -> None:
         self.report.dead_lettered = len(bodies)
+        sink = self._sink_letters
+        self.report.sink_dead_letters = len(sink)
+        bodies = bodies + sink
         poison = {p.decode("utf-8", "replace").encode() for p in self.jobs.poison} \
             | set(self.jobs.poison)
         self.report.poison_in_dlq = len({b for b in bodies if b in poison})
+        found = set(bodies) | {b.decode("utf-8", "replace").encode() for b in bodies}
+        dead = [h for h in self.hostile if h.custom_id is None]
+        # A spool's dead letter keeps a line's first max_job_bytes + 1 bytes only.
+        head = self.cfg.max_job_bytes + 1
+        missing = [h.kind for h in dead if h.body not in found
+                   and h.body.decode("utf-8", "replace").encode() not in found
+                   and h.body[:head] not in found]
+        self.report.hostile_dead_expected = len(dead)
+        self.report.hostile_dead_missing = len(missing)
+        if missing:
+            self.report.samples["hostile_not_dead_lettered"] = missing[:5]
         valid = 0
         for b in bodies:
-            with contextlib.suppress(ValueError):
+            with contextlib.suppress(ValueError, RecursionError):  # hostile bodies, too
                 rec = json.loads(b)
                 if isinstance(rec, dict) and rec.get("custom_id") in self.jobs.expected:
                     valid += 1
@@ -573,8 +694,11 @@ class Campaign:
                                           ("silently_replaced", check.silently_replaced),
                                           ("bad_conflicts", check.bad_conflicts)) if v}
         self._collect(moto_url)
+        self._sink_letters = self._sink_dead_letters(moto_url)
         if self.cfg.queue == "kafka":
             asyncio.run(self._kafka_books())
+        elif self.cfg.queue == "file":
+            self._file_books()
         else:
             self._sqs_books(moto_url)
         assert self.fleet is not None and self.proxy is not None
@@ -596,7 +720,8 @@ class Campaign:
         r.drain_seconds = [round((i.ended_at or 0) - (i.signalled_at or 0), 1) for i in drains]
         r.drain_max_seconds = max(r.drain_seconds, default=0.0)
         received = self.fleet.metric_total("qworker_jobs_received_total")
-        r.redeliveries = max(0, int(received) - r.jobs_produced - r.poison_produced)
+        r.redeliveries = max(0, int(received) - r.jobs_produced - r.poison_produced
+                             - len(self.hostile) - len(self.jobs.conflict_lines))
         r.duplicates_reported_by_workers = int(self.fleet.metric_total(
             "qworker_jobs_duplicate_total"))
         r.faults = self.proxy.faults
@@ -619,8 +744,6 @@ class Campaign:
                 self.proxy.stop()
             if self.sqs_proxy is not None:
                 self.sqs_proxy.stop()
-            if self._dlq_timer is not None:
-                self._dlq_timer.cancel()
             if self.broker is not None:
                 self.broker.stop()
             if self.moto is not None:

@@ -103,6 +103,9 @@ class Fleet:
         self._lock = threading.Lock()
         #: Results in the sink now; noted on workers seen leaving by themselves.
         self.progress_fn: Callable[[], int] | None = None
+        #: Until then (monotonic) a worker may exit 1: its configuration is broken for now
+        #: (the campaign deleted its dead-letter queue for a while).
+        self.config_exits_until = 0.0
 
     # -- lifecycle -----------------------------------------------------------------
     def start(self) -> None:
@@ -120,14 +123,26 @@ class Fleet:
         with log_path.open("wb") as out:
             proc = subprocess.Popen([sys.executable, "-m", "qworker", *argv],
                                     stdout=out, stderr=subprocess.STDOUT, env=env)
+        expect_rc = slot.next_expect_rc
+        if time.monotonic() < self.config_exits_until:
+            expect_rc = (*expect_rc, 1)
         inc = Incarnation(proc, port, log_path, time.monotonic(), tag=slot.next_tag,
-                          expect_rc=slot.next_expect_rc)
+                          expect_rc=expect_rc)
         with self._lock:
             slot.lives.append(inc)
         slot.restart_at = None
         slot.next_argv, slot.next_tag, slot.next_expect_rc = None, "", (0,)
         log.info("worker %d.%d started (pid %d)%s", slot.index, n, proc.pid,
                  f" as {inc.tag}" if inc.tag else "")
+
+    def allow_config_exits(self, since: float, until: float) -> None:
+        """Incarnations started from ``since`` until ``until`` (monotonic) may exit 1."""
+        self.config_exits_until = until
+        with self._lock:
+            for slot in self.slots:
+                for inc in slot.lives:
+                    if inc.started >= since and 1 not in inc.expect_rc:
+                        inc.expect_rc = (*inc.expect_rc, 1)
 
     def live(self) -> list[Slot]:
         """Slots whose current worker runs and has not been signalled."""

@@ -48,6 +48,11 @@ class Report:
     idle_restarts: int = 0
     source_outages: int = 0
     idle_exits_with_work_left: int = 0
+    hostile_produced: int = 0
+    hostile_jobs: int = 0                # with a custom_id: one record each, checked above
+    hostile_dead_expected: int = 0       # no job at all: must be dead-lettered
+    hostile_dead_missing: int = 0
+    sink_dead_letters: int = 0           # written to the sink's _dead_letters/
     exit_codes: dict[str, int] = field(default_factory=dict)
     faults: dict[str, int] = field(default_factory=dict)
     wall_seconds: float = 0.0
@@ -62,7 +67,7 @@ class Report:
                 and self.poison_in_dlq >= self.poison_produced
                 and self.collect_mismatches == 0 and self.silently_replaced == 0
                 and self.bad_conflicts == 0 and self.worker_crashes == 0
-                and self.idle_exits_with_work_left == 0)
+                and self.idle_exits_with_work_left == 0 and self.hostile_dead_missing == 0)
 
     def as_json(self) -> str:
         """One JSON line with every figure."""
@@ -99,6 +104,11 @@ class Report:
                 ("idle restarts (--until-idle 1)", self.idle_restarts),
                 ("source outages", self.source_outages),
                 ("IDLE EXITS WITH WORK LEFT", self.idle_exits_with_work_left),
+                ("hostile messages produced", self.hostile_produced),
+                ("  with a custom_id (one record each)", self.hostile_jobs),
+                ("  no job (to be dead-lettered)", self.hostile_dead_expected),
+                ("HOSTILE NOT DEAD-LETTERED", self.hostile_dead_missing),
+                ("dead letters in the sink", self.sink_dead_letters),
                 ("exit codes (fate:rc)", " ".join(f"{k}={v}"
                                                   for k, v in self.exit_codes.items()))]
         rows += [(f"fault {k}", v) for k, v in sorted(self.faults.items())]

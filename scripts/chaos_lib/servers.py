@@ -121,7 +121,9 @@ class TansuBroker:
     it, memory storage (lost on restart).
     """
 
-    def __init__(self, log_dir: Path, s3_url: str | None = None, bucket: str = "tansu") -> None:
+    def __init__(self, log_dir: Path, s3_url: str | None = None, bucket: str = "tansu",
+                 schema_dir: Path | None = None) -> None:
+        self.schema_dir = schema_dir  # tansu validates records of topics with a schema here
         self.port = free_port()
         self.bootstrap = f"127.0.0.1:{self.port}"
         self.s3_url = s3_url
@@ -136,12 +138,17 @@ class TansuBroker:
         cmd = [str(tansu_binary()), "broker", "--listener-url", url,
                "--advertised-listener-url", url]
         env = dict(os.environ)
+        cwd = None
+        if self.schema_dir is not None:
+            cwd = self.schema_dir.parent  # tansu resolves file:// against its cwd
+            cmd += ["--schema-registry", f"file://./{self.schema_dir.name}"]
         if self.s3_url:
             cmd += ["--storage-engine", f"s3://{self.bucket}/"]
             # tansu's S3 storage reads object_store's standard variables.
             env.update(AWS_ENV, AWS_ENDPOINT=self.s3_url, AWS_ALLOW_HTTP="true")
         with self._log.open("ab") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                         cwd=cwd)
         wait_port(self.port, 10)
 
     def stop(self, sig: int = signal.SIGTERM) -> None:

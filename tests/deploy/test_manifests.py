@@ -93,12 +93,31 @@ def _container(docs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def test_grace_period_covers_the_drain_budget(overlay: tuple[str, list]) -> None:
+    from qworker.worker.drain import drain_budget
+
     _, docs = overlay
     pod = pod_template(docs)["spec"]
-    drain = int(_config(docs)["QWORKER_DRAIN_SECONDS"])
-    assert pod["terminationGracePeriodSeconds"] >= drain + 15
+    budget = drain_budget(float(_config(docs)["QWORKER_DRAIN_SECONDS"]))
+    # every drain phase, closing the source included, and the process exit
+    assert pod["terminationGracePeriodSeconds"] >= budget.grace_seconds
     # and it fits inside the 2-minute spot notice
     assert pod["terminationGracePeriodSeconds"] <= 120
+
+
+def test_batch_stop_timeout_covers_the_drain_budget() -> None:
+    from qworker.worker.drain import drain_budget
+
+    tf = {p.name: p.read_text() for p in (DEPLOY / "terraform").glob("*.tf")}
+    variable = tf["variables.tf"].split('variable "drain_seconds"')[1].split("\n}")[0]
+    drain = float(re.search(r"default\s*=\s*(\d+)", variable).group(1))
+    stop = re.search(r"ECS_CONTAINER_STOP_TIMEOUT=\$\{var\.drain_seconds \+ (\d+)\}s",
+                     tf["batch.tf"])
+    assert stop, "the ECS stop timeout must be derived from var.drain_seconds"
+    env = re.search(r'name = "QWORKER_DRAIN_SECONDS", value = tostring\(var\.drain_seconds\)',
+                    tf["batch.tf"])
+    assert env, "the job's QWORKER_DRAIN_SECONDS must be var.drain_seconds"
+    for seconds in (drain, 30.0, 300.0):  # any drain_seconds, not only the default
+        assert seconds + int(stop.group(1)) >= drain_budget(seconds).grace_seconds
 
 
 def test_probes_and_scrape_use_the_metrics_port(overlay: tuple[str, list]) -> None:

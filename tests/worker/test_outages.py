@@ -131,46 +131,74 @@ def test_an_sqs_outage_past_the_budget_exits_69_and_loses_nothing(
     assert _counts(moto_server, queue.url) == (1, 0)  # still there for the next worker
 
 
-def test_a_missing_sqs_dead_letter_queue_is_retried_until_it_exists(
+def test_a_configured_sqs_dead_letter_queue_that_does_not_exist_is_exit_1_at_start(
+    tmp_path: Path, moto_server: str, sqs_queue: Callable[..., QueueInfo]
+) -> None:
+    # Regression: a missing DLQ was found only when the first poison message came, then
+    # retried as an outage for the whole budget (exit 69, and again on every restart).
+    from qworker.worker.failures import StartupError
+
+    queue = sqs_queue()
+    dlq_url = queue.url.rsplit("/", 1)[0] + "/never-created-dlq"
+    _fill(moto_server, queue.url, [chat_job("ok1")])
+    with pytest.raises(StartupError, match=r"dead-letter queue .*never-created-dlq.* does not"):
+        asyncio.run(_serve(_settings(tmp_path, f"sqs://{queue.url}"),
+                           _sqs(moto_server, queue.url, dlq_url=dlq_url), tmp_path / "out"))
+    assert read_results(tmp_path / "out") == {}
+    assert _counts(moto_server, queue.url) == (1, 0)  # untouched for a fixed worker
+
+
+async def _poison_once_serving(tmp_path: Path, moto_server: str, queue: QueueInfo,
+                               dlq_name: str, recreate_after: float | None,
+                               **settings: Any) -> tuple[Worker, float]:
+    """Serve ``queue``; once serving, delete the DLQ, send a poison message, and recreate
+    the DLQ ``recreate_after`` seconds later (None: never)."""
+    sqs = boto_client("sqs", moto_server)
+    dlq_url = sqs.create_queue(QueueName=dlq_name)["QueueUrl"]
+    _fill(moto_server, queue.url, [chat_job("ok1")])
+
+    async def outage() -> None:
+        while not read_results(tmp_path / "out"):
+            await asyncio.sleep(0.05)
+        sqs.delete_queue(QueueUrl=dlq_url)
+        _fill(moto_server, queue.url, ["not json at all"])
+        if recreate_after is not None:
+            await asyncio.sleep(recreate_after)
+            sqs.create_queue(QueueName=dlq_name)
+
+    chaos = asyncio.create_task(outage())
+    try:
+        return await _serve(_settings(tmp_path, f"sqs://{queue.url}", **settings),
+                            _sqs(moto_server, queue.url, dlq_url=dlq_url), tmp_path / "out")
+    finally:
+        await chaos
+
+
+def test_an_sqs_dead_letter_queue_gone_mid_run_is_retried_until_it_is_back(
     tmp_path: Path, moto_server: str, sqs_queue: Callable[..., QueueInfo]
 ) -> None:
     queue = sqs_queue()
     dlq_name = f"{queue.name}-late-dlq"
-    dlq_url = queue.url.rsplit("/", 1)[0] + "/" + dlq_name  # moto's URL scheme
-    _fill(moto_server, queue.url, ["not json at all", chat_job("ok1")])
-    sqs = boto_client("sqs", moto_server)
-
-    async def main() -> tuple[Worker, float]:
-        async def create_later() -> None:
-            await asyncio.sleep(2.5)
-            sqs.create_queue(QueueName=dlq_name)
-
-        later = asyncio.create_task(create_later())
-        try:
-            return await _serve(_settings(tmp_path, f"sqs://{queue.url}"),
-                                _sqs(moto_server, queue.url, dlq_url=dlq_url), tmp_path / "out")
-        finally:
-            await later
-
-    worker, took = asyncio.run(main())
+    worker, took = asyncio.run(_poison_once_serving(tmp_path, moto_server, queue, dlq_name,
+                                                    recreate_after=2.5))
     assert worker.exit_code == 0 and took >= 2.5
     assert set(read_results(tmp_path / "out")) == {"ok1"}
-    assert worker.summary.dead_lettered == 1
+    assert worker.summary.dead_lettered == 1 and worker.summary.dead_lettered_to_sink == 0
+    sqs = boto_client("sqs", moto_server)
+    dlq_url = sqs.get_queue_url(QueueName=dlq_name)["QueueUrl"]
     got = sqs.receive_message(QueueUrl=dlq_url, WaitTimeSeconds=1).get("Messages", [])
     assert [m["Body"] for m in got] == ["not json at all"]
     assert _counts(moto_server, queue.url) == (0, 0)
 
 
-def test_a_dead_letter_target_missing_past_the_budget_exits_69_and_releases_the_message(
+def test_a_dead_letter_target_gone_past_the_budget_exits_69_and_releases_the_message(
     tmp_path: Path, moto_server: str, sqs_queue: Callable[..., QueueInfo]
 ) -> None:
     queue = sqs_queue(visibility=300)  # a held message would stay hidden for 5 minutes
-    dlq_url = queue.url.rsplit("/", 1)[0] + "/never-created-dlq"
-    _fill(moto_server, queue.url, ["not json at all"])
-    worker, took = asyncio.run(_serve(
-        _settings(tmp_path, f"sqs://{queue.url}", source_outage_seconds=2.0),
-        _sqs(moto_server, queue.url, dlq_url=dlq_url), tmp_path / "out"))
-    assert worker.exit_code == 69 and took < 15
+    worker, took = asyncio.run(_poison_once_serving(
+        tmp_path, moto_server, queue, f"{queue.name}-gone-dlq", recreate_after=None,
+        source_outage_seconds=2.0))
+    assert worker.exit_code == 69 and took < 20
     assert _counts(moto_server, queue.url) == (1, 0)  # visible again, not held invisible
 
 

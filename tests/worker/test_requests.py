@@ -111,3 +111,100 @@ def test_the_worker_submits_validated_tokens_and_rejects_an_overlong_prompt_at_o
     assert sink.order[0] == "default/too-long.json"  # before either slow job finished
     assert engine.calls["add_request"] == 0 and engine.calls["add_validated"] == 2
     assert engine.calls["validate_prompt"] == 3  # once per job, on the prep pool
+
+
+# ------------------------------------------------ hostile JSON through the whole per-job path
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from qworker.engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from qworker.schema import dumps, result_key  # noqa: E402
+from qworker.worker.dead_letters import dead_letter_record  # noqa: E402
+from qworker.worker.requests import record_for  # noqa: E402
+from qworker.worker.sources.base import Message  # noqa: E402
+
+#: Where a job's JSON reaches, as a message template with one hole for a hostile value.
+_PLACES = [
+    '{{"custom_id":"h","url":"/v1/chat/completions","body":{{"messages":[{{"role":"user",'
+    '"content":{v}}}]}}}}',
+    '{{"custom_id":"h","url":"/v1/chat/completions","body":{{"messages":[{{"role":"user",'
+    '"content":"hi"}}],"guided_json":{v}}}}}',
+    '{{"custom_id":"h","url":"/v1/chat/completions","body":{{"messages":[{{"role":"user",'
+    '"content":"hi"}}],"structured_outputs":{{"json":{v}}}}}}}',
+    '{{"custom_id":"h","url":"/v1/chat/completions","body":{{"messages":[{{"role":"user",'
+    '"content":"hi"}}],"response_format":{{"type":"json_schema","json_schema":{{"schema":{v}}}'
+    '}}}}}}',
+    '{{"custom_id":"h","url":"/v1/chat/completions","body":{{"messages":[{{"role":"user",'
+    '"content":"hi"}}],"guided_choice":{v}}}}}',
+    '{{"custom_id":"h","url":"/v1/chat/completions","body":{{"messages":[{{"role":"user",'
+    '"content":"hi"}}],"logit_bias":{{"7":{v}}}}}}}',
+    '{{"custom_id":"h","url":"/v1/completions","body":{{"prompt":{v},"stop":{v}}}}}',
+    '{{"custom_id":"h","url":"/v1/completions","body":{{"prompt":"x","seed":{v},'
+    '"temperature":{v}}}}}',
+    '{{"custom_id":"h","url":"/v1/completions","body":{{"prompt":"x"}},"metadata":{{"m":{v}}}}}',
+    '{{"custom_id":{v},"url":"/v1/completions","body":{{"prompt":"x"}}}}',
+    '{{"custom_id":"h","batch_id":{v},"url":"/v1/completions","body":{{"prompt":"x"}}}}',
+]
+
+
+def _deep(depth: int, kind: str) -> str:
+    if kind == "array":
+        return "[" * depth + "]" * depth
+    if kind == "object":
+        return '{"a":' * depth + "1" + "}" * depth
+    return json.dumps('{"a":' * depth + "1" + "}" * depth)  # deep JSON as text
+
+
+_hostile_values = st.one_of(
+    st.builds(_deep, st.integers(1, 1100), st.sampled_from(["array", "object", "text"])),
+    st.sampled_from(["1e400", "-1e400", "123456789012345678901234567890", "1e-400",
+                     "18446744073709551616", "-0", "0.0000000000000000000001"]),
+    st.sampled_from(['"\\ud800"', '"\\udfff x"', '"\\u0000"', '"\\u202e txt"', '"😀' * 50 + '"',
+                     '"' + "\\n" * 200 + '"', '"\\\\\\""', '""']),
+    st.builds(lambda n, item: "[" + ",".join([item] * n) + "]", st.integers(0, 60_000),
+              st.sampled_from(["0", '"a"', "[]", "{}", "null"])),
+    st.text(max_size=40).map(json.dumps),
+)
+
+
+def _output(token_ids: list[int]) -> RequestOutput:
+    text = bytes(token_ids[:8]).decode("utf-8", "replace")
+    return RequestOutput(request_id="r", prompt=None, prompt_token_ids=token_ids,
+                         outputs=[CompletionOutput(0, text, token_ids[:8], 0.0, None, "length")],
+                         finished=True)
+
+
+@settings(max_examples=80, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(place=st.sampled_from(_PLACES), value=_hostile_values)
+def test_hostile_json_ends_in_one_outcome_through_the_whole_per_job_path_in_bounded_memory(
+    place: str, value: str,
+) -> None:
+    import tracemalloc
+
+    body = place.format(v=value).encode("utf-8", "surrogatepass")
+    engine = EchoEngine(max_model_len=1 << 20)
+    tracemalloc.start()
+    try:
+        outcome = prepare(engine, body, 1 << 20)  # never raises
+        if isinstance(outcome, Prepared):
+            job = outcome.job
+            record = record_for(job, _output(outcome.token_ids), "echo", None)
+            key = result_key("p", job.batch_id, job.custom_id)
+            assert error_of(record) is None
+        elif outcome.record is not None:
+            record = outcome.record
+            key = result_key("p", outcome.batch_id, outcome.custom_id or "")
+            assert error_of(record) is not None and outcome.custom_id
+        else:
+            assert outcome.dead_letter
+            msg = Message(body, "file:1", None, 1, 0.0)
+            record = dead_letter_record(msg, outcome.dead_letter, FileSource(Path("x.jsonl")))
+            key = "p/_dead_letters/x.json"
+        line = dumps(record)  # every outcome's record serializes
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert key.startswith("p/") and len(line) < 8 * len(body) + (64 << 10)
+    assert peak < 40 * len(body) + (8 << 20), f"{peak} bytes for a {len(body)}-byte message"

@@ -15,8 +15,9 @@ from qworker.testing.faultproxy import FaultProxy
 from qworker.worker.aws import ClientOptions, make_client
 from qworker.worker.drain import DrainControl
 from qworker.worker.metrics import WorkerMetrics
-from qworker.worker.outage import Backoff
+from qworker.worker.outage import Backoff, Outage
 from qworker.worker.result_writer import Conflict, ResultWriter, Stored
+from qworker.worker.retry import Retrier
 from qworker.worker.sinks.s3 import S3Sink
 from tests.fixtures.servers import boto_client
 
@@ -27,8 +28,10 @@ def _writer(endpoint: str, bucket: str, outage_s: float = 30.0, read_timeout: fl
     sink = S3Sink(make_client("s3", opts), bucket)
     exhausted: list[str] = []
     metrics = WorkerMetrics()
-    writer = ResultWriter(sink, outage_s, DrainControl(), metrics, exhausted.append,
-                          Backoff(first=0.01, cap=0.05, rng=random.Random(0)))
+    retrier = Retrier(Outage("sink", outage_s, metrics.set_problem),
+                      Backoff(first=0.01, cap=0.05, rng=random.Random(0)),
+                      wake=DrainControl().immediate, on_exhausted=exhausted.append)
+    writer = ResultWriter(sink, retrier, metrics)
     return writer, exhausted, metrics
 
 
@@ -36,7 +39,7 @@ def _store(writer: ResultWriter, key: str, record: dict[str, Any],
            fingerprint: str | None = None, **kw: Any) -> Stored:
     async def go() -> Stored:
         try:
-            return await writer.store(key, record, fingerprint, **kw)
+            return (await writer.store(key, record, fingerprint, **kw)).stored
         finally:
             await writer.sink.close()
 
@@ -78,7 +81,7 @@ def test_a_read_timeout_is_retried_and_lands_exactly_once(moto_server: str, s3_b
             task = asyncio.create_task(writer.store("slow.json", {"s": 1}, "fp-slow"))
             await asyncio.sleep(0.6)
             proxy.configure(latency=0.0)
-            return await task
+            return (await task).stored
 
         outcome = asyncio.run(go())
         assert writer.failures >= 1
@@ -102,22 +105,22 @@ def test_the_writer_gives_up_only_when_the_outage_budget_is_spent(
 def test_same_fingerprint_is_a_duplicate_and_another_writes_one_conflict_record(
     moto_server: str, s3_bucket: str
 ) -> None:
-    writer, _, metrics = _writer(moto_server, s3_bucket)
+    writer, _, _ = _writer(moto_server, s3_bucket)
 
     def conflict_for(stored: str | None) -> Conflict:
         return Conflict(f"b/_conflicts/doc-{'fp-b'[:12]}.json", {"conflict": stored})
 
-    async def go() -> list[Stored]:
+    async def go() -> list[tuple[Stored, bool]]:
         try:
-            return [await writer.store("b/doc.json", {"a": 1}, "fp-a", conflict_for),
-                    await writer.store("b/doc.json", {"a": 2}, "fp-a", conflict_for),
-                    await writer.store("b/doc.json", {"b": 1}, "fp-b", conflict_for),
-                    await writer.store("b/doc.json", {"b": 2}, "fp-b", conflict_for)]
+            outcomes = [await writer.store("b/doc.json", {"a": 1}, "fp-a", conflict_for),
+                        await writer.store("b/doc.json", {"a": 2}, "fp-a", conflict_for),
+                        await writer.store("b/doc.json", {"b": 1}, "fp-b", conflict_for),
+                        await writer.store("b/doc.json", {"b": 2}, "fp-b", conflict_for)]
+            return [(o.stored, o.new_conflict) for o in outcomes]
         finally:
             await writer.sink.close()
 
-    assert asyncio.run(go()) == [Stored.WRITTEN, Stored.DUPLICATE, Stored.CONFLICT,
-                                 Stored.CONFLICT]
+    assert asyncio.run(go()) == [(Stored.WRITTEN, False), (Stored.DUPLICATE, False),
+                                 (Stored.CONFLICT, True), (Stored.CONFLICT, False)]
     assert _get(moto_server, s3_bucket, "b/doc.json") == b'{"a":1}'  # never replaced
     assert _get(moto_server, s3_bucket, "b/_conflicts/doc-fp-b.json") == b'{"conflict":"fp-a"}'
-    assert "qworker_jobs_conflict_total 1.0" in metrics.exposition().decode()

@@ -135,19 +135,28 @@ def test_existing_result_counts_as_duplicate_and_is_not_overwritten(tmp_path: Pa
     assert acked_lines(tmp_path / "jobs.jsonl.progress") == {1, 2}
 
 
+async def _until(done: Any, timeout: float = 30.0) -> None:
+    """Wait for ``done()`` (polled on the loop): an event, not a guess at how long it takes."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "the awaited state never came"
+        await asyncio.sleep(0.01)
+
+
 def test_drain_abandons_unfinished_jobs_without_acking(tmp_path: Path) -> None:
     drain = DrainControl()
     slow = EchoEngine(delay_ms=20, steps=10_000)
     lines = [chat_job(f"s{i}") for i in range(3)]
 
-    async def trigger() -> None:
-        await asyncio.sleep(0.8)
-        drain.request(DrainReason.SIGNAL)
-
     async def main() -> Worker:
         spool = write_spool(tmp_path / "jobs.jsonl", lines)
         settings = _settings(tmp_path, until_idle=None, drain_seconds=0.3)
         worker = Worker(settings, slow, FileSource(spool), FileSink(tmp_path / "out"), drain=drain)
+
+        async def trigger() -> None:  # once all three are inside the engine
+            await _until(lambda: len(worker.table.running) == 3)
+            drain.request(DrainReason.SIGNAL)
+
         await asyncio.gather(worker.run(), trigger())
         return worker
 
@@ -324,14 +333,22 @@ def test_a_drain_during_a_sink_outage_stops_retrying_at_the_drain_budget(tmp_pat
     async def main() -> tuple[Worker, float]:
         worker = Worker(_settings(tmp_path, until_idle=None, drain_seconds=1), EchoEngine(),
                         FileSource(spool), sink, drain=drain)
-        asyncio.get_running_loop().call_later(1.0, drain.request, DrainReason.SIGNAL)
-        started = time.monotonic()
-        await asyncio.wait_for(worker.run(), 30)
-        return worker, time.monotonic() - started
+        requested: list[float] = []
+
+        async def trigger() -> None:  # once the sink has refused the finished results
+            await _until(lambda: sink.failures >= 4)
+            requested.append(time.monotonic())
+            drain.request(DrainReason.SIGNAL)
+
+        await asyncio.wait_for(asyncio.gather(worker.run(), trigger()), 30)
+        return worker, time.monotonic() - requested[0]
 
     worker, took = asyncio.run(main())
     assert worker.exit_code == 75 and worker.summary.drain_reason == "signal"  # work left
-    assert took < 1.0 + 1 + 3  # signal + drain budget + slack, not the 30 s store wait
+    # Writes are retried until the run phase ends (prepare + drain_seconds), then given up:
+    # not the whole outage budget (300 s).
+    budget = worker.budget
+    assert took < budget.prepare + budget.run + budget.abort + budget.store + 2
     assert acked_lines(tmp_path / "jobs.jsonl.progress") == set()
 
 
@@ -387,3 +404,114 @@ def test_transient_receive_failures_are_ridden_out(tmp_path: Path) -> None:
 
     worker = asyncio.run(main())
     assert worker.exit_code == 0 and set(read_results(tmp_path / "out")) == {"r1"}
+
+
+# ---------------------------------------------------------------- hostile input (issue 18)
+
+def _deep(depth: int, leaf: str = "1") -> str:
+    return '{"a":' * depth + leaf + "}" * depth
+
+
+def _hostile_lines() -> dict[str, bytes]:
+    """custom_id -> a job whose JSON nests deep in one field (each once made preparation
+    raise RecursionError, losing its whole receive batch)."""
+    msgs = '"messages":[{"role":"user","content":"hi"}]'
+
+    def job(cid: str, body: str) -> bytes:
+        return (f'{{"custom_id":"{cid}","url":"/v1/chat/completions","body":{{{body}}}}}'
+                ).encode()
+
+    return {
+        "deep-guided-json-text": job("deep-guided-json-text",
+                                     f'{msgs},"guided_json":{json.dumps(_deep(3000))}'),
+        "deep-schema": job("deep-schema", f'{msgs},"response_format":{{"type":"json_schema",'
+                           f'"json_schema":{{"name":"x","schema":{_deep(300)}}}}}'),
+        "deep-content": job("deep-content", '"messages":[{"role":"user","content":'
+                            + "[" * 1000 + "]" * 1000 + "}]"),
+        "deep-choice": job("deep-choice", f'{msgs},"guided_choice":' + "[" * 1000 + '"a"'
+                           + "]" * 1000),
+        "deep-logit-bias": job("deep-logit-bias", f'{msgs},"logit_bias":{{"1":'
+                               + "[" * 1000 + "]" * 1000 + "}"),
+    }
+
+
+def test_deeply_nested_jobs_get_invalid_request_and_every_good_job_in_their_batch_is_answered(
+    tmp_path: Path,
+) -> None:
+    hostile = _hostile_lines()
+    good = [chat_job(f"good-{i}", f"text {i}") for i in range(24)]
+    lines: list[Any] = good[:12] + list(hostile.values()) + good[12:]
+    worker = _run(tmp_path, lines)
+    results = read_results(tmp_path / "out")
+    assert {f"good-{i}" for i in range(24)} <= set(results), "good jobs were lost"
+    assert all(error_of(results[f"good-{i}"]) is None for i in range(24))
+    params = {}
+    for cid in hostile:
+        error = error_of(results[cid])
+        assert error is not None and error["code"] == "invalid_request", (cid, error)
+        assert "nested deeper than" in error["message"]
+        params[cid] = error["param"]
+    assert params == {"deep-guided-json-text": "guided_json", "deep-schema": "response_format",
+                      "deep-content": "messages[0].content", "deep-choice": "guided_choice[0]",
+                      "deep-logit-bias": "logit_bias"}
+    assert acked_lines(tmp_path / "jobs.jsonl.progress") == set(range(1, len(lines) + 1))
+    assert worker.exit_code == 0
+
+
+def test_a_line_far_over_max_job_bytes_is_answered_without_being_read_whole(
+    tmp_path: Path,
+) -> None:
+    import tracemalloc
+
+    huge = ('{"custom_id": "huge", "url": "/v1/completions", "body": {"prompt": "'
+            + "x" * (24 << 20) + '"}, "batch_id": "b1"}')
+    anonymous = '{"url": "/v1/completions", "body": {"prompt": "' + "y" * (2 << 20) + '"}}'
+    lines: list[Any] = [chat_job("before"), huge, anonymous, chat_job("after")]
+    write_spool(tmp_path / "jobs.jsonl", lines)
+    del huge, anonymous, lines
+    tracemalloc.start()
+    try:
+        async def main() -> Worker:
+            cfg = _settings(tmp_path, max_job_bytes=64 << 10)
+            worker = Worker(cfg, EchoEngine(), FileSource.from_uri(cfg.source, cfg),
+                            FileSink(tmp_path / "out"))
+            await asyncio.wait_for(worker.run(), 30)
+            return worker
+
+        worker = asyncio.run(main())
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, f"peak {peak / 2**20:.1f} MiB: the 24 MiB line was read whole"
+    results = read_results(tmp_path / "out")
+    assert set(results) == {"before", "huge", "after"}
+    error = error_of(results["huge"])
+    assert error["code"] == "invalid_request" and "max_job_bytes" in error["message"]
+    assert results["huge"]["batch_id"] == "b1"
+    dlq = [json.loads(x) for x in (tmp_path / "jobs.jsonl.dlq").read_text().splitlines()]
+    assert [d["message_id"] for d in dlq] == ["file:3"] and dlq[0]["truncated"] is True
+    assert "custom_id could not be read" in dlq[0]["reason"]
+    assert acked_lines(tmp_path / "jobs.jsonl.progress") == {1, 2, 3, 4}
+    assert worker.exit_code == 0
+
+
+def test_a_spool_replaced_at_the_same_path_is_served_from_its_first_line(tmp_path: Path) -> None:
+    _run(tmp_path, [chat_job(f"old-{i}") for i in range(5)])
+    assert acked_lines(tmp_path / "jobs.jsonl.progress") == set(range(1, 6))
+    # Another batch written to the same path: none of its lines was ever served.
+    (tmp_path / "jobs.jsonl").unlink()
+    worker = _run(tmp_path, [chat_job(f"new-{i}") for i in range(7)])
+    assert {f"new-{i}" for i in range(7)} <= set(read_results(tmp_path / "out"))
+    assert worker.summary.received == 7
+    # Appending to a spool keeps its progress: only the new line is served.
+    with (tmp_path / "jobs.jsonl").open("a") as out:
+        out.write(json.dumps(chat_job("appended")) + "\n")
+
+    async def again() -> Worker:
+        worker = Worker(_settings(tmp_path), EchoEngine(), FileSource(tmp_path / "jobs.jsonl"),
+                        FileSink(tmp_path / "out"))
+        await asyncio.wait_for(worker.run(), 30)
+        return worker
+
+    assert asyncio.run(again()).summary.received == 1
+    assert "appended" in read_results(tmp_path / "out")

@@ -62,6 +62,30 @@ def _wait_for_results(
     raise AssertionError("no progress\n" + _log(tmp_path))
 
 
+def _wait_for_log(tmp_path: Path, proc: subprocess.Popen[bytes], text: str,
+                  timeout: float = 60) -> None:
+    until = time.monotonic() + timeout
+    while text not in _log(tmp_path):
+        assert proc.poll() is None and time.monotonic() < until, _log(tmp_path)
+        time.sleep(0.05)
+
+
+def _wait_for_inflight(tmp_path: Path, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
+    """Until the worker's /metrics shows a job in flight (waits on its state, not a guess)."""
+    _wait_for_log(tmp_path, proc, "serving jobs")
+    port = re.search(r"metrics on http://0\.0\.0\.0:(\d+)/metrics", _log(tmp_path))
+    assert port, _log(tmp_path)
+    until = time.monotonic() + timeout
+    while True:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port.group(1)}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        found = re.search(r"^qworker_num_requests_running\{[^}]*\} ([0-9.]+)$", text, re.M)
+        if found and float(found.group(1)) >= 1:
+            return
+        assert proc.poll() is None and time.monotonic() < until, _log(tmp_path)
+        time.sleep(0.05)
+
+
 def _log(tmp_path: Path) -> str:
     return (tmp_path / "worker.log").read_text(errors="replace")[-4000:]
 
@@ -252,12 +276,9 @@ def test_spot_interruption_notice_starts_a_drain(tmp_path: Path) -> None:
 def test_second_sigterm_stops_at_once_without_acking_unfinished_work(tmp_path: Path) -> None:
     ids = _jobs(tmp_path)
     proc = _start(tmp_path, "echo://?delay_ms=40&steps=100000", "--drain-seconds", "120")
-    until = time.monotonic() + 30
-    while "serving jobs" not in _log(tmp_path) and time.monotonic() < until:
-        time.sleep(0.05)
-    time.sleep(0.5)
+    _wait_for_inflight(tmp_path, proc)  # an event: jobs are inside the engine
     proc.send_signal(signal.SIGTERM)
-    time.sleep(0.5)
+    _wait_for_log(tmp_path, proc, "drain requested: signal")
     assert proc.poll() is None  # draining: waits for in-flight work (up to 120 s)
     proc.send_signal(signal.SIGTERM)
     sent = time.monotonic()

@@ -6,21 +6,34 @@ and a reader never sees a half-written record. The request's fingerprint is stor
 beside the record, in ``<batch>/_fingerprints/<name>`` (names starting with ``_`` are
 qworker's own, never a result), linked first the same way: whoever wins that link is
 the request the record answers (docs/formats.md, fingerprints and conflicts).
+
+A temporary file never outlives the put that made it, whatever fails (a full disk, a
+file-size limit, a failed link). A key that cannot be a path here, or a record too
+large for the filesystem, is refused for good (``SinkRefused``); other I/O errors are
+transient (``SinkError``: retried by the worker).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from qworker.worker.failures import StartupError
+from qworker.worker.failures import Refused, StartupError
 from qworker.worker.sinks.base import PutResult, Sink, SinkError
 from qworker.worker.sources.file import file_path
 
 FINGERPRINTS_DIR = "_fingerprints"
+#: I/O errors about this one object, not the directory: retrying cannot help.
+_REFUSED_ERRNOS = frozenset({errno.EFBIG, errno.ENAMETOOLONG, errno.EINVAL})
+
+
+class SinkRefused(SinkError, Refused):
+    """The directory refuses this object for good (its key or size)."""
 
 
 class FileSink(Sink):
@@ -47,9 +60,13 @@ class FileSink(Sink):
         """Store ``body`` at ``key`` unless present; runs the file I/O off the loop."""
         try:
             return await asyncio.to_thread(self.put_sync, key, body, fingerprint)
-        except (ValueError, SinkError):
+        except SinkError:
             raise
+        except ValueError as exc:
+            raise SinkRefused(str(exc)) from exc
         except OSError as exc:
+            if exc.errno in _REFUSED_ERRNOS:
+                raise SinkRefused(f"cannot write {self.root / key}: {exc}") from exc
             raise SinkError(f"cannot write {self.root / key}: {exc}") from exc
 
     def put_sync(self, key: str, body: bytes, fingerprint: str | None = None) -> PutResult:
@@ -76,16 +93,20 @@ class FileSink(Sink):
 
 
 def _link_new(target: Path, body: bytes) -> bool:
-    """Write ``body`` to ``target`` atomically unless it exists; False if it did."""
+    """Write ``body`` to ``target`` atomically unless it exists; False if it did.
+
+    The temporary file is removed on every path out, a failed write included.
+    """
     tmp = target.parent / f".tmp-{uuid.uuid4().hex}"
-    with tmp.open("wb") as out:
-        out.write(body)
     try:
+        with tmp.open("wb") as out:
+            out.write(body)
         os.link(tmp, target)
     except FileExistsError:
         return False
     finally:
-        tmp.unlink()
+        with contextlib.suppress(OSError):
+            tmp.unlink()
     return True
 
 

@@ -12,6 +12,8 @@ One attempt per ``put``: every failure (throttling, 5xx, 409 ConditionalRequestC
 of a concurrent conditional write, timeouts, resets, AccessDenied) raises
 ``S3WriteError`` and the caller's single retry loop (``qworker.worker.result_writer``)
 decides when to try again. botocore's own retries are off (``qworker.worker.aws``).
+A 4xx about this one object (its key, size or metadata) raises ``S3Refused``: a
+permanent refusal of that object, not an outage (docs/operations.md).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from qworker.worker.aws import BlockingRunner, make_client, s3_options
-from qworker.worker.failures import StartupError
+from qworker.worker.failures import Refused, StartupError
 from qworker.worker.sinks.base import PutResult, Sink, SinkError
 
 log = logging.getLogger(__name__)
@@ -47,6 +49,21 @@ _RETRY_CODES = frozenset(
 )
 
 
+#: Answers that refuse this one object for good (not the bucket, not the credentials).
+_REFUSED_CODES = frozenset(
+    {
+        "EntityTooLarge",
+        "KeyTooLongError",
+        "MetadataTooLarge",
+        "InvalidArgument",
+        "InvalidObjectName",
+        "InvalidRequest",
+        "InvalidDigest",
+        "BadDigest",
+    }
+)
+
+
 #: The object metadata key holding the request fingerprint (``x-amz-meta-...``).
 FINGERPRINT_META = "qworker-fingerprint"
 
@@ -57,6 +74,13 @@ class S3WriteError(SinkError):
     def __init__(self, message: str, transient: bool = True) -> None:
         super().__init__(message)
         self.transient = transient
+
+
+class S3Refused(S3WriteError, Refused):
+    """S3 refuses this one object for good (a 4xx about its key, size or metadata)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, transient=False)
 
 
 def parse_s3_uri(uri: str) -> tuple[str, str]:
@@ -71,7 +95,8 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
 
 
 def classify_error(exc: BaseException) -> str:
-    """Return ``"duplicate"``, ``"retry"`` or ``"fatal"`` for an exception from ``put_object``."""
+    """``"duplicate"``, ``"retry"``, ``"refused"`` (this object, for good) or ``"fatal"``
+    for an exception from ``put_object``."""
     from botocore.exceptions import (
         BotoCoreError,
         ClientError,
@@ -88,6 +113,8 @@ def classify_error(exc: BaseException) -> str:
             return "duplicate"
         if code in _RETRY_CODES or status >= 500 or status in (409, 429):
             return "retry"
+        if code in _REFUSED_CODES or status == 413:
+            return "refused"
         return "fatal"
     if isinstance(exc, ConnectionError | HTTPClientError | IncompleteReadError | TimeoutError):
         return "retry"
@@ -133,7 +160,7 @@ class S3Sink(Sink):
         try:
             await self._call("head_bucket", Bucket=self.bucket)
         except Exception as exc:
-            if classify_error(exc) == "fatal":
+            if classify_error(exc) in ("fatal", "refused"):
                 raise StartupError(
                     f"s3 bucket {self.bucket!r} is not usable: {_describe(exc)}"
                 ) from None
@@ -159,6 +186,8 @@ class S3Sink(Sink):
             return PutResult(True)
         except Exception as exc:
             kind = classify_error(exc)
+            if kind == "refused":
+                raise S3Refused(f"s3 refused s3://{self.bucket}/{key}: {_describe(exc)}") from exc
             if kind != "duplicate":
                 raise S3WriteError(
                     f"s3 put s3://{self.bucket}/{key} failed: {_describe(exc)}",

@@ -3,7 +3,8 @@
 A source hands the worker ``Message`` objects and learns each one's fate:
 ``ack`` once its result is durably in the sink, ``abandon`` when the worker
 gave up on it at drain time (it must be redelivered later), ``dead_letter``
-when it is not even a JSON object (the source then treats it as acked).
+when it is not even a JSON object (the source then treats it as acked). The worker
+calls these from one place only (``qworker.worker.settle``), once per message.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from qworker.schema.peek import PeekedIds
+
 
 @dataclass(slots=True)
 class Message:
@@ -21,6 +24,9 @@ class Message:
     ``message_id`` is human-readable and goes on every log line about the job:
     ``"topic/partition/offset"`` for Kafka, the SQS MessageId, ``"file:<line>"``
     for the file spool. ``handle`` is private to the source that produced it.
+    ``size`` is the message's full size in bytes when ``body`` holds only its head (a
+    spool line longer than the worker accepts is never read whole), and ``ids`` what
+    was read of its top-level ids on the way (``IdScanner``); None otherwise.
     """
 
     body: bytes
@@ -28,6 +34,8 @@ class Message:
     key: str | None
     handle: Any
     received_at: float
+    size: int | None = None
+    ids: PeekedIds | None = None
 
 
 class Source(ABC):
@@ -40,6 +48,17 @@ class Source(ABC):
     """
 
     on_revoke: Callable[[list[Message]], None] | None = None
+    #: The source's scheme, as dead letters written to the sink name it.
+    kind: str = "source"
+
+    @property
+    def has_dead_letter_target(self) -> bool:
+        """False when ``dead_letter`` has nowhere to send (the sink takes dead letters)."""
+        return True
+
+    def position(self, msg: Message) -> dict[str, Any]:
+        """Where ``msg`` sits in the source (for dead letters written to the sink)."""
+        return {"message_id": msg.message_id}
 
     @abstractmethod
     async def start(self) -> None:
@@ -59,7 +78,11 @@ class Source(ABC):
 
     @abstractmethod
     async def dead_letter(self, msg: Message, reason: str) -> None:
-        """Send ``msg`` to the dead-letter target with ``reason``; it then counts as acked."""
+        """Send ``msg`` to the dead-letter target with ``reason``; it then counts as acked.
+
+        Raises ``Refused`` when the target refuses this message for good (too large,
+        invalid for it): not an outage. Any other exception is retried.
+        """
 
     @abstractmethod
     async def pending_work(self) -> int:

@@ -24,7 +24,10 @@ How the pieces fit:
 - ``dead_letter`` produces the raw message to ``<topic>.dlq`` (or the configured
   topic) with ``qworker-dlq-reason`` / ``qworker-source`` headers, then acks it.
   The producer uses neither idempotence nor transactions (the tansu test broker
-  lacks them); the DLQ topic must exist or the broker must auto-create it.
+  lacks them). ``start`` checks that the DLQ topic exists and creates it when it does
+  not (as many partitions as the job topic, the broker's default replication); one
+  that can be neither is a configuration error (exit 1). A record the DLQ topic
+  refuses for good raises ``Refused`` (the worker writes it to the sink instead).
 
 - Every codec (gzip, snappy, lz4, zstd) is read; a batch that still cannot be decoded
   (an unknown codec, a corrupt batch) is never skipped: ``receive`` raises
@@ -130,6 +133,8 @@ class KafkaSource(Source):
     ``start_wait`` seconds), so the first ``receive`` sees the backlog.
     """
 
+    kind = "kafka"
+
     def __init__(
         self,
         bootstrap: str,
@@ -188,8 +193,11 @@ class KafkaSource(Source):
         if self._consumer is not None:  # an earlier start failed half-way
             await stop_quietly(self._consumer, self.request_timeout)
             self._consumer = None
-        if self.topic not in await self._probe.topics():
+        topics = await self._probe.topics()
+        if self.topic not in topics:
             raise StartupError(f"kafka topic {self.topic!r} does not exist on {self.bootstrap}")
+        if self.dlq_topic not in topics:
+            await self._create_dlq_topic()
         self._consumer = AIOKafkaConsumer(
             bootstrap_servers=self.bootstrap,
             group_id=self.group,
@@ -213,6 +221,35 @@ class KafkaSource(Source):
         ]
         await self._await_backlog(self.start_wait)
         log.info("kafka source started topic=%s group=%s", self.topic, self.group)
+
+    async def _create_dlq_topic(self) -> None:
+        """Create the missing DLQ topic; ``StartupError`` when the broker refuses."""
+        from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+        from aiokafka.errors import TopicAlreadyExistsError, for_code
+
+        partitions = max(1, await self._probe.partition_count(self.topic))
+        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap,
+                                    request_timeout_ms=int(self.request_timeout * 1000),
+                                    **self.security.client_options())
+        await asyncio.wait_for(admin.start(), self.request_timeout)
+        try:
+            cluster = await asyncio.wait_for(admin.describe_cluster(), self.request_timeout)
+            replicas = max(1, min(3, len(cluster.get("brokers") or [])))
+            response = await asyncio.wait_for(
+                admin.create_topics([NewTopic(self.dlq_topic, partitions, replicas)]),
+                self.request_timeout)
+        finally:
+            await asyncio.wait_for(admin.close(), self.request_timeout)
+        for error in getattr(response, "topic_errors", []):
+            code = error[1]
+            if code and for_code(code) is not TopicAlreadyExistsError:
+                message = error[2] if len(error) > 2 else ""
+                raise StartupError(
+                    f"kafka dead-letter topic {self.dlq_topic!r} does not exist on "
+                    f"{self.bootstrap} and cannot be created: {for_code(code).__name__} "
+                    f"{message or ''}".strip())
+        log.info("kafka dead-letter topic %s created (%d partitions, %d replicas)",
+                 self.dlq_topic, partitions, replicas)
 
     async def _await_backlog(self, timeout: float) -> None:
         # Return from start only once records already waiting are in the buffer, so a
@@ -329,7 +366,7 @@ class KafkaSource(Source):
 
         Raises (and does not ack) when the DLQ produce fails.
         """
-        await self._dlq.send(msg, reason)
+        await self._dlq.send(msg, reason)  # raises Refused for a record refused for good
         log.warning("dead-lettered message_id=%s to %s: %s", msg.message_id, self.dlq_topic, reason)
         await self.ack(msg)
 
@@ -350,6 +387,12 @@ class KafkaSource(Source):
         if lag == 0:
             lag = await self._probe.records_from(starts)
         return max(lag, len(self._buffer))
+
+    def position(self, msg: Message) -> dict[str, Any]:
+        """Topic, partition and offset of ``msg``."""
+        handle: KafkaHandle = msg.handle
+        return {"topic": handle.tp.topic, "partition": handle.tp.partition,
+                "offset": handle.offset}
 
     # -- introspection ---------------------------------------------------------------
 

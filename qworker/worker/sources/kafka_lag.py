@@ -104,6 +104,11 @@ class RecordProbe:
         consumer = await self._started()
         return set(await asyncio.wait_for(consumer.topics(), self.request_timeout))
 
+    async def partition_count(self, topic: str) -> int:
+        """How many partitions ``topic`` has (0 when the cluster does not know it)."""
+        consumer = await self._started()
+        return len(consumer.partitions_for_topic(topic) or ())
+
     async def stop(self) -> None:
         """Stop the probe consumer if it was started; never raises."""
         if self._consumer is not None:

@@ -12,7 +12,13 @@ from collections.abc import Iterable
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
+from aiokafka.errors import (
+    BrokerResponseError,
+    ClusterAuthorizationFailedError,
+    TopicAuthorizationFailedError,
+)
 
+from qworker.worker.failures import Refused
 from qworker.worker.sources.base import Message
 from qworker.worker.sources.kafka_client import KafkaSecurity
 from qworker.worker.sources.kafka_lag import stop_quietly
@@ -32,10 +38,23 @@ DLQ_PARTITION_HEADER = "qworker-source-partition"
 DLQ_OFFSET_HEADER = "qworker-source-offset"
 
 
+def refuses_record(exc: BaseException) -> bool:
+    """True for a broker's (or the client's) refusal of this one record for good.
+
+    A non-retriable broker answer about the record (too large, invalid for the topic,
+    a schema the topic enforces): not an outage. Authorization failures are not about
+    one record (a configuration problem); timeouts and connection errors are transient.
+    """
+    return (isinstance(exc, BrokerResponseError) and not exc.retriable
+            and not isinstance(exc, TopicAuthorizationFailedError
+                               | ClusterAuthorizationFailedError))
+
+
 class DeadLetterProducer:
     """Sends dead-lettered messages to one DLQ topic; the producer starts on first use.
 
-    The DLQ topic must exist or the broker must auto-create it.
+    The source checks at start that the DLQ topic exists or creates it. A record the
+    broker refuses for good raises ``Refused`` (``refuses_record``).
     """
 
     def __init__(
@@ -67,10 +86,15 @@ class DeadLetterProducer:
                 (DLQ_OFFSET_HEADER, str(handle.offset).encode()),
             ]
         key = msg.key.encode() if msg.key is not None else None
-        await asyncio.wait_for(
-            producer.send_and_wait(self.topic, msg.body, key=key, headers=headers),
-            self.request_timeout,
-        )
+        try:
+            await asyncio.wait_for(
+                producer.send_and_wait(self.topic, msg.body, key=key, headers=headers),
+                self.request_timeout,
+            )
+        except Exception as exc:
+            if refuses_record(exc):
+                raise Refused(f"kafka topic {self.topic} refused the record: {exc!r}") from exc
+            raise
 
     async def stop(self) -> None:
         """Stop the producer if it was started; never raises."""

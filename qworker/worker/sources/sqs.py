@@ -14,8 +14,11 @@ concurrent batches.
 
 ``dead_letter`` sends the raw body to the dead-letter queue (``sqs_dlq_url``, else
 the target of the queue's RedrivePolicy) with a ``qworker_dlq_reason`` message
-attribute, then deletes the original. Without any DLQ it logs the body at ERROR
-and deletes it, so garbage cannot loop forever.
+attribute, then deletes the original. ``start`` checks that a configured DLQ exists
+(a missing one is a configuration error, exit 1). Without any DLQ,
+``has_dead_letter_target`` is False and the worker writes dead letters to its sink
+(docs/formats.md, "Dead letters"). A DLQ that refuses one message for good (too large
+for its ``MaximumMessageSize``, characters SQS does not take) raises ``Refused``.
 
 Every boto3 call runs on a private thread pool (``qworker.worker.aws``) with a
 timeout. Receiving is a background long poll (up to ``long_poll_seconds``) that
@@ -40,7 +43,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from qworker.worker.aws import BlockingRunner, make_client, sqs_options
-from qworker.worker.failures import SourceUnavailableError, StartupError
+from qworker.worker.failures import Refused, SourceUnavailableError, StartupError
+from qworker.worker.outage import Backoff, Outage
+from qworker.worker.retry import GaveUp, Retrier
 from qworker.worker.sources.base import Message, Source
 
 log = logging.getLogger(__name__)
@@ -57,6 +62,10 @@ PENDING_ATTRIBUTES = [
     "ApproximateNumberOfMessagesDelayed",
 ]
 _CALL_THREADS = 8  # concurrent SQS calls (heartbeat batches, deletes, releases)
+#: SendMessage errors that refuse one message for good (not an outage of the DLQ).
+_REFUSED_CODES = frozenset({"InvalidParameterValue", "InvalidMessageContents",
+                            "MessageTooLong", "InvalidAttributeValue",
+                            "AWS.SimpleQueueService.InvalidMessageContents"})
 
 
 @dataclass(slots=True)
@@ -86,6 +95,8 @@ class SqsSource(Source):
     ``queue`` is a queue URL or name (resolved at ``start``). ``client`` is a boto3 SQS
     client whose read timeout exceeds ``MAX_WAIT_SECONDS``.
     """
+
+    kind = "sqs"
 
     def __init__(
         self,
@@ -166,6 +177,12 @@ class SqsSource(Source):
             raise
         if self.dlq_url is None:
             self.dlq_url = await self._redrive_target(attrs.get("RedrivePolicy"))
+        else:
+            await self._check_dlq(self.dlq_url)
+        if self.dlq_url is None:
+            log.warning("sqs queue %s has no dead-letter queue (no RedrivePolicy, no "
+                        "sqs_dlq_url): messages that cannot be jobs go to the sink's "
+                        "_dead_letters/", self.queue_url)
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="sqs-heartbeat")
         self._deleter = asyncio.create_task(self._delete_loop(), name="sqs-delete")
         self._releaser = asyncio.create_task(self._release_loop(), name="sqs-release")
@@ -184,10 +201,38 @@ class SqsSource(Source):
         parts = arn.split(":")
         if len(parts) < 6:
             return None
-        found = await self._call(
-            "get_queue_url", QueueName=parts[5], QueueOwnerAWSAccountId=parts[4]
-        )
+        try:
+            found = await self._call(
+                "get_queue_url", QueueName=parts[5], QueueOwnerAWSAccountId=parts[4]
+            )
+        except Exception as exc:
+            if _is_missing_queue(exc):
+                raise StartupError(f"the redrive dead-letter queue {arn} of sqs queue "
+                                   f"{self.queue!r} does not exist") from None
+            raise
         return str(found["QueueUrl"])
+
+    async def _check_dlq(self, url: str) -> None:
+        """A configured dead-letter queue must exist (``StartupError`` otherwise)."""
+        try:
+            await self._call("get_queue_attributes", QueueUrl=url,
+                             AttributeNames=["MaximumMessageSize"])
+        except Exception as exc:
+            if _is_missing_queue(exc):
+                raise StartupError(f"sqs dead-letter queue {url!r} (sqs_dlq_url) does not "
+                                   "exist") from None
+            raise
+
+    @property
+    def has_dead_letter_target(self) -> bool:
+        """True when a DLQ (``sqs_dlq_url`` or the redrive target) was found at start."""
+        return self.dlq_url is not None
+
+    def position(self, msg: Message) -> dict[str, Any]:
+        """The queue, the message id and how often SQS delivered it."""
+        handle: SqsHandle = msg.handle
+        return {"queue": self.queue_url, "message_id": msg.message_id,
+                "receive_count": handle.receive_count}
 
     async def receive(self, max_messages: int, timeout: float) -> list[Message]:
         """Up to ``max_messages`` received messages; ``[]`` after ``timeout`` seconds.
@@ -314,7 +359,7 @@ class SqsSource(Source):
         """
         self._inflight.pop(msg.handle.receipt_handle, None)
         if self._deleter is None or self._deleter.done():
-            await self._delete_batch([msg])
+            await self._delete_with_retries([msg])
             return
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._deletes.append((msg, done))
@@ -340,18 +385,16 @@ class SqsSource(Source):
         # A failed call is retried (SQS briefly unreachable): an undeleted message would
         # come back after its visibility timeout and be served again for nothing. Past
         # that timeout its receipt is stale anyway; at close, one more try is enough.
-        give_up_at = time.monotonic() + self.visibility_timeout
-        delay = 0.2
-        while not await self._delete_batch(msgs):
-            if self._closing or time.monotonic() + delay > give_up_at:
-                log.warning("sqs delete of %d messages given up: they come back after their "
-                            "visibility timeout and are absorbed as duplicates", len(msgs))
-                return
-            await asyncio.sleep(delay)
-            delay = min(2 * delay, 5.0)
+        retrier = Retrier(Outage("sqs delete", float(self.visibility_timeout)),
+                          Backoff(first=0.2, cap=5.0), stop=lambda: self._closing)
+        try:
+            await retrier.call(lambda: self._delete_batch(msgs), "sqs delete")
+        except GaveUp:
+            log.warning("sqs delete of %d messages given up: they come back after their "
+                        "visibility timeout and are absorbed as duplicates", len(msgs))
 
-    async def _delete_batch(self, msgs: list[Message]) -> bool:
-        """One DeleteMessageBatch call; False when the call itself failed."""
+    async def _delete_batch(self, msgs: list[Message]) -> None:
+        """One DeleteMessageBatch call; raises when the call itself failed."""
         entries = [
             {"Id": str(n), "ReceiptHandle": m.handle.receipt_handle} for n, m in enumerate(msgs)
         ]
@@ -362,7 +405,7 @@ class SqsSource(Source):
             )
         except Exception as exc:
             log.warning("sqs delete of %d messages failed: %r", len(msgs), exc)
-            return False
+            raise
         for failed in resp.get("Failed", []):
             # Expired receipt: another worker owns it now and will hit the sink's 412.
             log.warning(
@@ -370,7 +413,6 @@ class SqsSource(Source):
                 msgs[int(failed["Id"])].message_id,
                 failed.get("Message"),
             )
-        return True
 
     async def abandon(self, msg: Message) -> None:
         """Make ``msg`` visible again (visibility 0): redelivered, never deleted.
@@ -435,32 +477,33 @@ class SqsSource(Source):
     async def dead_letter(self, msg: Message, reason: str) -> None:
         """Send ``msg`` to the DLQ with ``reason`` as an attribute, then delete it.
 
-        Raises (and keeps the message) when the DLQ send fails.
+        Raises (and keeps the message) when the DLQ send fails: ``Refused`` when SQS
+        refuses this message for good, or when there is no DLQ at all.
         """
         if self.dlq_url is None:
-            log.error(
-                "no SQS dead-letter queue; dropping message_id=%s (%s): %r",
-                msg.message_id,
-                reason,
-                msg.body[:500],
-            )
-        else:
-            extra: dict[str, Any] = {}
-            if self.dlq_url.endswith(".fifo"):
-                extra = {"MessageGroupId": "dlq", "MessageDeduplicationId": msg.message_id}
+            raise Refused("the sqs queue has no dead-letter queue")
+        extra: dict[str, Any] = {}
+        if self.dlq_url.endswith(".fifo"):
+            extra = {"MessageGroupId": "dlq", "MessageDeduplicationId": msg.message_id}
+        try:
             await self._call(
                 "send_message",
                 QueueUrl=self.dlq_url,
                 MessageBody=msg.body.decode("utf-8", "replace"),
                 MessageAttributes={
-                    DLQ_REASON_ATTRIBUTE: {"DataType": "String", "StringValue": reason or "-"},
+                    DLQ_REASON_ATTRIBUTE: {"DataType": "String",
+                                           "StringValue": (reason or "-")[:1024]},
                     DLQ_SOURCE_ATTRIBUTE: {"DataType": "String", "StringValue": msg.message_id},
                 },
                 **extra,
             )
-            log.warning(
-                "dead-lettered message_id=%s to %s: %s", msg.message_id, self.dlq_url, reason
-            )
+        except Exception as exc:
+            if _error_code(exc) in _REFUSED_CODES:
+                raise Refused(f"sqs dead-letter queue refused the message: {exc}") from exc
+            raise
+        log.warning(
+            "dead-lettered message_id=%s to %s: %s", msg.message_id, self.dlq_url, reason
+        )
         await self.ack(msg)
 
     async def close(self) -> None:
@@ -552,11 +595,14 @@ class SqsSource(Source):
             next_at = max(started + self.heartbeat_interval, time.monotonic())
 
 
-def _is_missing_queue(exc: BaseException) -> bool:
+def _error_code(exc: BaseException) -> str:
     response = getattr(exc, "response", None)
-    code = str((response or {}).get("Error", {}).get("Code", "")) if isinstance(
+    return str((response or {}).get("Error", {}).get("Code", "")) if isinstance(
         response, dict) else ""
-    return code in ("AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist")
+
+
+def _is_missing_queue(exc: BaseException) -> bool:
+    return _error_code(exc) in ("AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist")
 
 
 def open_source(uri: str, settings: Any) -> SqsSource:

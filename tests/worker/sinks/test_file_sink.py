@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 from pathlib import Path
 
 import pytest
@@ -80,3 +81,28 @@ def test_factory_and_prefix() -> None:
     assert sink_prefix("s3://bucket/a/b/") == "a/b"
     assert sink_prefix("s3://bucket") == ""
     assert sink_prefix("file:///tmp/out") == ""
+
+
+def test_a_write_that_fails_midway_leaves_no_temporary_file(tmp_path: Path) -> None:
+    # Regression: a failed write (a full disk, a file-size limit) left its .tmp-* file
+    # behind. A real failure: the write runs under RLIMIT_FSIZE, so the kernel stops it.
+    import subprocess
+    import sys
+
+    code = (
+        "import resource, signal, sys\n"
+        "from pathlib import Path\n"
+        "from qworker.worker.sinks.file import FileSink\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))\n"
+        "try:\n"
+        "    FileSink(Path(sys.argv[1])).put_sync('b/big.json', b'x' * 65536, 'fp')\n"
+        "except OSError as exc:\n"
+        "    print(exc.errno)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(errno.EFBIG)
+    assert not (tmp_path / "b" / "big.json").exists()
+    assert not [p.name for p in tmp_path.rglob(".tmp-*")]
