@@ -8,7 +8,9 @@ requests sharing a custom_id (a ``duplicate_custom_id`` conflict). ``batch_id``,
 
 A request that has no canonical form (nested past what a serializer takes, or never
 parsed because it is over ``max_job_bytes``) is fingerprinted by its raw bytes
-(``raw_fingerprint``): a redelivery has the same bytes. Neither function raises.
+(``raw_fingerprint``): a redelivery has the same bytes. A message over 64 KiB is
+canonicalized by the standard library's encoder, chunk by chunk into the hash (same bytes,
+bounded memory). Neither function raises.
 """
 
 from __future__ import annotations
@@ -26,15 +28,28 @@ def request_fingerprint(url: Any, body: Any, raw: bytes | None = None) -> str:
     ``raw``: the message's bytes, used when the value cannot be serialized canonically.
     """
     value = {"body": body, "url": url}
-    try:
-        canonical = orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
-    except (TypeError, orjson.JSONEncodeError):  # nested past orjson's 254 levels
+    if raw is None or len(raw) <= STREAM_ABOVE_BYTES:
         try:
-            canonical = json.dumps(value, sort_keys=True, separators=(",", ":"),
-                                   ensure_ascii=False, allow_nan=False).encode()
-        except (RecursionError, TypeError, ValueError, UnicodeError):
-            return raw_fingerprint(raw if raw is not None else b"", None)
-    return hashlib.sha256(canonical).hexdigest()
+            return hashlib.sha256(orjson.dumps(value, option=orjson.OPT_SORT_KEYS)).hexdigest()
+        except (TypeError, orjson.JSONEncodeError):  # nested past orjson's 254 levels
+            pass
+    # orjson reserves ~288 bytes per array item before it writes (a 1 MiB list of token
+    # ids would cost ~150 MB for a moment); the standard encoder's chunks are hashed as
+    # they come, in bounded memory. Both give the same bytes for the same value.
+    digest = hashlib.sha256()
+    try:
+        for chunk in _CANONICAL.iterencode(value):
+            digest.update(chunk.encode("utf-8"))
+    except (RecursionError, TypeError, ValueError, UnicodeError):
+        return raw_fingerprint(raw if raw is not None else b"", None)
+    return digest.hexdigest()
+
+
+#: Messages larger than this are fingerprinted by the streaming encoder.
+STREAM_ABOVE_BYTES = 64 << 10
+
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                              allow_nan=False)
 
 
 def raw_fingerprint(raw: bytes | bytearray, size: int | None) -> str:

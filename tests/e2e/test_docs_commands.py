@@ -92,6 +92,10 @@ NOT_RUN: dict[tuple[str, str, int], str] = {
         "the full fault campaign (minutes of CPU); tests/test_chaos.py runs a small one",
     ("docs/reliability.md", "## Running it", 1):
         "runs tests of this suite (tests/test_chaos.py, tests/test_fuzz_jobs.py)",
+    ("docs/tensor_parallel.md", "# Tensor parallelism: one model over N GPUs (or N CPU processes)",
+     0):
+        "a placeholder 70B path on 4 GPUs and `prompts` undefined; tests/engine/parallel runs "
+        "tensor_parallel_size=2 on the CPU through the same LLM API",
     ("docs/structured_outputs.md", "## From Python", 0):
         "a fragment: a placeholder model path and a `schema` defined in the text above; "
         "tests/engine runs structured outputs",
