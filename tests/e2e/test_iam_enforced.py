@@ -57,8 +57,6 @@ PENDING = {
     ("producer", "WriteBatchMarkers", "s3:PutObject",
      "arn:aws:s3:::{bucket}/results/*/_cancel.json"):
         "issue 20: qworker cancel writes the marker",
-    ("worker", "DeadLetterToQueue", "sqs:GetQueueAttributes", "{dlq_arn}"):
-        "issue 18: a configured DLQ is checked at start",
 }
 
 
