@@ -94,6 +94,7 @@ STAGES: list[Stage] = [
     Stage("structured", 90, 60, _STRUCTURED),
     Stage("selftest_margin", 20, 65, '"$PYTHON" scripts/bench_selftest.py --out "$STAGE_JSON" '
           '$DRY_FLAG'),
+    pytest_stage("tests/models/quant/test_fp8_linear.py", 30, 66),
     # FP8 weights and mixture-of-experts (docs/quantization.md, docs/moe.md), dummy weights
     Stage("fixed_len_fp8", 240, 70, '"$PYTHON" scripts/bench_fixed_len.py --compare-fp8 '
           '--seconds "${FIXED_SECONDS:-40}" --out "$STAGE_JSON" $DRY_FLAG'),
@@ -102,7 +103,8 @@ STAGES: list[Stage] = [
     Stage("moe_prefill", 120, 72, '"$PYTHON" scripts/bench_fixed_len.py --shape qwen3-30b-a3b '
           '--input-len 2048 --output-len 128 --seconds "${FIXED_SECONDS:-40}" '
           '--out "$STAGE_JSON" $DRY_FLAG'),
-    # e.g. Stage("tp2", 90, 80, '[ "$GPU_COUNT" -ge 2 ] || skip "needs 2 GPUs"; ...'),
+    # tensor parallelism on two GPUs (skips on one; docs/tensor_parallel.md)
+    pytest_stage("tests/engine/parallel/test_tp_gpu.py", 30, 73),
 ]
 
 #: A test module with ``gpu`` tests: a decorator or a module-level ``pytestmark``.
