@@ -235,3 +235,12 @@ def test_formats_md_names_exactly_the_refused_embedding_fields() -> None:
                      text.index("(each unless", text.index("refused, each", start))]
     assert set(re.findall(r"`(\w+)`", paragraph)) - {"invalid_request"} == set(
         EMBEDDING_UNSUPPORTED)
+
+
+def test_the_example_file_holds_valid_embedding_jobs_of_every_shape() -> None:
+    lines = (ROOT / "examples" / "embeddings.jsonl").read_bytes().splitlines()
+    jobs = [parse_job(line).job for line in lines]
+    assert all(job is not None and job.kind is JobKind.EMBEDDING for job in jobs)
+    assert {job.encoding_format for job in jobs if job} == {"float", "base64"}
+    assert any(job and job.dimensions for job in jobs)
+    assert any(job and isinstance(job.inputs[0], list) for job in jobs if job and job.inputs)
