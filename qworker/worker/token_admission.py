@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from typing import cast
 
+from qworker.worker.embedding_jobs import EMBED
 from qworker.worker.engine_thread import EmbeddingEngineLike, EngineLike
 
 #: Engine steps' worth of tokens admitted at once (see the module docstring).
@@ -72,7 +73,7 @@ class TokenAdmission:
 
 def embedding_admission(engine: EngineLike, max_inflight: int) -> TokenAdmission | None:
     """The token admission of an ``embed`` engine; None for a generating one (KV admission)."""
-    if engine.task != "embed":
+    if engine.task != EMBED:
         return None
     embed = cast(EmbeddingEngineLike, engine)
     return TokenAdmission.for_engine(max_inflight, embed.max_num_batched_tokens)
