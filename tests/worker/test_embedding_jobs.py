@@ -315,6 +315,25 @@ def test_an_embedding_worker_admits_no_more_than_its_token_budget(tmp_path: Path
     assert max(seen) <= STEPS_IN_FLIGHT * 16 and max(seen) >= 40  # batched, within budget
 
 
+def test_all_inputs_of_one_job_together_are_capped_at_openais_300k_tokens() -> None:
+    from qworker.schema import parse_job
+    from qworker.worker.embedding_jobs import MAX_EMBEDDING_REQUEST_TOKENS, encode_inputs
+    from qworker.worker.requests import prepare
+
+    engine = EchoEngine(task="embed")
+    per_input = MAX_EMBEDDING_REQUEST_TOKENS // 2000
+    at_limit = json.dumps(embedding_job("a", ["x" * per_input] * 2000)).encode()
+    job = parse_job(at_limit).job
+    assert job is not None and len(encode_inputs(engine, job)) == 2000
+    over = json.dumps(embedding_job("b", ["x" * (per_input + 1)] * 2000)).encode()
+    outcome = prepare(engine, over, 1 << 20)
+    assert outcome.record is not None  # type: ignore[union-attr]
+    assert error_of(outcome.record) == {  # type: ignore[union-attr]
+        "code": "invalid_request", "status_code": 400, "param": "input",
+        "message": "body.input: the inputs hold more than 300000 tokens together, the limit "
+                   "of one request; split it into several jobs"}
+
+
 def test_the_echo_embedding_engine_keeps_the_embedding_engine_contract() -> None:
     engine = EchoEngine.from_uri("echo://?task=embed&dim=6&max_model_len=6")
     assert (engine.task, engine.embedding_dim) == ("embed", 6)
