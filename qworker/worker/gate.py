@@ -110,8 +110,8 @@ class Gate:
             self._on_reject(job, BatchExpiredError(
                 f"deadline {job.deadline:.0f} passed before the job started"))
             return False
-        embedding = job.input_ids is not None
-        growth = None if embedding else growth or self._growth(job)
+        # An embedding request holds no KV blocks: nothing for the KV projection.
+        growth = None if job.input_ids is not None else growth or self._growth(job)
         request_id = uuid.uuid4().hex
         try:
             if job.input_ids is not None:

@@ -2,7 +2,8 @@
 
 ``prepare`` turns a raw message into a job the engine can take at once (parsed,
 tokenized once, validated: an over-long prompt is rejected here, before admission) or
-into its outcome without the engine: a dead letter or an error record. ``record_for``
+into its outcome without the engine: a dead letter or an error record (a job for the
+task this worker does not serve, ``embedding_jobs.task_error``, among them). ``record_for``
 turns what the engine returned into the job's result line. Both are plain CPU work:
 the worker runs them on a thread pool, never on its event loop. Neither lets an
 exception out for bad input: ``job_error`` says what any failure on one job's path
@@ -169,7 +170,8 @@ def record_for(
     """The result line of a job the engine returned.
 
     ``expired``: the caller aborted it because its deadline passed (``batch_expired``).
-    Any other abort, or an engine error, is an ``engine_error``.
+    Any other abort (an embedding request returned without embeddings included), or an
+    engine error, is an ``engine_error``.
     """
     if expired:
         exc: QworkerError = BatchExpiredError(
