@@ -39,6 +39,9 @@ logger = logging.getLogger(__name__)
 class Engine:
     """A continuously batched, paged-KV generator (the Python API of README.md)."""
 
+    #: What this engine serves (``EmbeddingEngine.task`` is "embed"; ``open_engine`` picks).
+    task: str = "generate"
+
     def __init__(self, config: EngineConfig, kernels: KernelRunner | None = None,
                  tp_group: Any = None) -> None:
         """Build the engine ``config`` describes. ``kernels``: tests run the CUDA backend's

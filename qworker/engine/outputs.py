@@ -45,3 +45,4 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     error: str | None = field(default=None)
+    embeddings: list[list[float]] | None = None

@@ -25,6 +25,8 @@ from qworker.schema.structured import structured_outputs
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
+RESPONSES_URL = "/v1/responses"
+EMBEDDINGS_URL = "/v1/embeddings"
 MAX_N = 128
 MAX_METADATA_DEPTH = 32
 # Caps that keep one request from costing the worker out of proportion (docs/formats.md):
@@ -61,14 +63,16 @@ class JobKind(Enum):
 
     CHAT = "chat"
     COMPLETION = "completion"
+    EMBEDDING = "embedding"
 
 
 @dataclass(slots=True)
 class Job:
     """A validated job: what to generate and how to answer it.
 
-    Exactly one of ``messages`` (chat) and ``prompt`` (completion) is set.
-    ``top_logprobs`` is the number of alternatives per token to report when
+    Exactly one of ``messages`` (chat), ``prompt`` (completion) and ``inputs``
+    (embedding: its ``encoding_format`` and ``dimensions`` beside it; ``params`` unused)
+    is set. ``top_logprobs`` is the number of alternatives per token to report when
     ``want_logprobs``; ``deadline`` is unix seconds.
     """
 
@@ -82,6 +86,9 @@ class Job:
     metadata: dict[str, Any] | None = None
     want_logprobs: bool = False
     top_logprobs: int = 0
+    inputs: list[str | list[int]] | None = None
+    encoding_format: str = "float"
+    dimensions: int | None = None
 
 
 @dataclass(slots=True)
@@ -199,19 +206,21 @@ def _validate(data: dict[str, Any], custom_id: str) -> Job:
     if method != "POST":
         raise InvalidRequestError(f'method must be "POST", got {_describe(method)}')
     url = data.get("url")
-    if url not in (CHAT_URL, COMPLETIONS_URL):
+    if url not in (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL):
         raise InvalidRequestError(
-            f"url must be {CHAT_URL} or {COMPLETIONS_URL}, got {_describe(url)}"
+            f"url must be {CHAT_URL}, {COMPLETIONS_URL}, {RESPONSES_URL} or {EMBEDDINGS_URL}, "
+            f"got {_describe(url)}"
         )
     body = data.get("body")
     if not isinstance(body, dict):
         raise InvalidRequestError(f"body must be an object, got {_describe(body)}")
     for name, harmless in _UNSUPPORTED.items():
-        if name in body and not harmless(body[name]):
+        if url != EMBEDDINGS_URL and name in body and not harmless(body[name]):
             raise InvalidRequestError(
                 f"body.{name}={_short(body[name])} is not supported by qworker"
             )
-    kind = JobKind.CHAT if url == CHAT_URL else JobKind.COMPLETION
+    kind = {CHAT_URL: JobKind.CHAT, EMBEDDINGS_URL: JobKind.EMBEDDING}.get(url,
+                                                                          JobKind.COMPLETION)
     job = Job(
         custom_id=custom_id,
         kind=kind,
@@ -220,6 +229,11 @@ def _validate(data: dict[str, Any], custom_id: str) -> Job:
         deadline=float(deadline) if deadline is not None else None,
         metadata=metadata,
     )
+    if kind is JobKind.EMBEDDING:
+        from qworker.schema.embeddings import embedding_fields  # it imports this module
+
+        job.inputs, job.encoding_format, job.dimensions = embedding_fields(body)
+        return job
     if kind is JobKind.CHAT:
         job.messages = _messages(body.get("messages"))
     else:

@@ -3,7 +3,7 @@
 Every job ends in exactly one line, shaped as OpenAI's batch output shapes it:
 
 - served: ``response.status_code`` 200 and a ``chat.completion`` / ``text_completion``
-  body (``success_record``);
+  body, or an embedding job's ``CreateEmbeddingResponse`` (``success_record``);
 - a request error (``invalid_request``, ``context_length_exceeded``,
   ``duplicate_custom_id``): ``status_code`` 400 and ``body.error {message, type:
   "invalid_request_error", param, code}``, with ``"error": null``;
@@ -29,6 +29,7 @@ import orjson
 
 from qworker.engine.outputs import RequestOutput
 from qworker.errors import QworkerError
+from qworker.schema.embeddings import embedding_body
 from qworker.schema.jobs import Job, JobKind
 
 #: Codes written as a 400 ``invalid_request_error`` response (the request is at fault).
@@ -169,13 +170,17 @@ def success_record(
     decode_token: Callable[[int], str] | None = None,
     created: int | None = None,
 ) -> dict[str, Any]:
-    """The output line of a served job: a chat.completion or text_completion body.
+    """The output line of a served job: a chat.completion or text_completion body, or
+    an embedding job's ``CreateEmbeddingResponse`` (``embeddings.embedding_body``).
 
     ``decode_token`` turns one token id into its text for logprobs (``token_id:N``
     without it). ``n > 1`` gives one choice per completion, by index.
     """
-    decode = decode_token or (lambda tid: f"token_id:{tid}")
     hex_id = new_id()
+    if job.kind is JobKind.EMBEDDING:
+        return _served(job, hex_id, embedding_body(output, model, job.encoding_format,
+                                                   len(job.inputs or ())))
+    decode = decode_token or (lambda tid: f"token_id:{tid}")
     chat = job.kind is JobKind.CHAT
     choices = []
     for comp in sorted(output.outputs, key=lambda c: c.index):
@@ -207,6 +212,11 @@ def success_record(
             "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens},
         },
     }
+    return _served(job, hex_id, body)
+
+
+def _served(job: Job, hex_id: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The status-200 line around a served job's ``body`` (its request id ``req_<hex_id>``)."""
     record: dict[str, Any] = {
         "id": f"batch_req_{new_id()}",
         "custom_id": job.custom_id,

@@ -28,7 +28,14 @@ from qworker.errors import InvalidRequestError
 from qworker.schema import Job, dumps, error_record_for, is_error_record
 from qworker.schema.peek import IdScanner, PeekedIds, peek_ids
 from qworker.worker.engine_thread import EngineLike
-from qworker.worker.requests import Prepared, job_error, prepare, record_for, token_decoder
+from qworker.worker.requests import (
+    Prepared,
+    add_to_engine,
+    job_error,
+    prepare,
+    record_for,
+    token_decoder,
+)
 
 _PROGRESS_EVERY_S = 2.0
 
@@ -253,7 +260,7 @@ def _admit(
     job = outcome.job
     request_id = uuid.uuid4().hex
     try:
-        engine.add_validated(request_id, outcome.text, outcome.token_ids, job.params)
+        add_to_engine(engine, request_id, outcome)
     except Exception as exc:  # any rejection becomes the job's error line
         return _Slot(job, error_record_for(job.custom_id, job.batch_id,
                                            job_error(exc, "submit it"), job.metadata))

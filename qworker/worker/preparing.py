@@ -74,6 +74,7 @@ class Preparer:
             job.custom_id, job.batch_id = spec.custom_id, spec.batch_id
             job.fingerprint, job.spec = outcome.fingerprint, spec
             job.text, job.token_ids = outcome.text, outcome.token_ids
+            job.input_ids = outcome.input_ids
             self.table.move(job, JobState.READY)
         elif outcome.dead_letter is not None:
             self.settler.dead_letter(job, outcome.dead_letter)

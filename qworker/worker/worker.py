@@ -53,6 +53,7 @@ from qworker.worker.spot import SpotPoller
 from qworker.worker.step_failures import StepFailures
 from qworker.worker.summary import RunSummary
 from qworker.worker.tasks import Tasks
+from qworker.worker.token_admission import embedding_admission
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,8 @@ class Worker:
         self._thread = EngineThread(self.engine, loop, self._on_outputs, self._on_step_error,
                                     self._block_size)
         self.gate = Gate(self.table, self.admission, self.engine, self._thread,
-                         self._block_size, self.settler.answer_error)
+                         self._block_size, self.settler.answer_error, embedding_admission(
+                             self.engine, self.settings.max_inflight_jobs))
         self.source.on_revoke = self._on_revoke
         try:
             started = await start_source(self.source, self.drain, self.source_retrier,

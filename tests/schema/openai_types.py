@@ -1,10 +1,11 @@
 """Strict validation of result lines against the openai SDK's own types (test helper).
 
-The SDK has models for the bodies (``ChatCompletion``, ``Completion``, ``ErrorObject``,
-``BatchError``, ``Batch``) but none for the output-line envelope, so the envelope is a
-small pydantic model of OpenAI's documented batch output line. "Strict" means: every
-field validates against the SDK type, and no field is unknown to it (a misspelled
-key or one in the wrong place fails), checked recursively through ``model_extra``.
+The SDK has models for the bodies (``ChatCompletion``, ``Completion``,
+``CreateEmbeddingResponse``, ``ErrorObject``, ``BatchError``, ``Batch``) but none for the
+output-line envelope, so the envelope is a small pydantic model of OpenAI's documented
+batch output line. "Strict" means: every field validates against the SDK type, and no
+field is unknown to it (a misspelled key or one in the wrong place fails), checked
+recursively through ``model_extra``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,13 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from openai import BaseModel as SDKModel  # noqa: E402
-from openai.types import Batch, BatchError, Completion, ErrorObject  # noqa: E402
+from openai.types import (  # noqa: E402
+    Batch,
+    BatchError,
+    Completion,
+    CreateEmbeddingResponse,
+    ErrorObject,
+)
 from openai.types.chat import ChatCompletion  # noqa: E402
 
 
@@ -68,7 +75,8 @@ def exact(model: type[SDKModel], data: dict[str, Any], path: str = "$") -> SDKMo
 
 
 def validate_line(line: dict[str, Any]) -> str:
-    """Validate a whole result line; return its kind: chat, completion, 400, 500, expired."""
+    """Validate a whole result line; return its kind: chat, completion, embedding, 400,
+    500, expired."""
     env = OutputLine.model_validate(line)
     if env.response is not None:
         assert env.error is None, "a line with a response has error null"
@@ -79,6 +87,10 @@ def validate_line(line: dict[str, Any]) -> str:
                 chat = exact(ChatCompletion, body, "body")
                 assert chat.id.startswith("chatcmpl-")
                 return "chat"
+            if body.get("object") == "list":
+                exact(CreateEmbeddingResponse, sdk_decoded(body), "body")
+                assert set(body) == {"object", "data", "model", "usage"}
+                return "embedding"
             completion = exact(Completion, body, "body")
             assert completion.id.startswith("cmpl-")
             return "completion"
@@ -92,6 +104,20 @@ def validate_line(line: dict[str, Any]) -> str:
     exact(BatchError, line["error"], "error")
     assert env.error.code == "batch_expired"
     return "expired"
+
+
+def sdk_decoded(body: dict[str, Any]) -> dict[str, Any]:
+    """An embeddings body with each base64 vector decoded exactly as openai-python does
+    (``lib/_parsing/_embeddings.py``: little-endian float32 via ``np.frombuffer``)."""
+    import base64
+
+    import numpy as np
+
+    data = [{**item, "embedding": np.frombuffer(base64.b64decode(item["embedding"]),
+                                                dtype="float32").tolist()}
+            if isinstance(item.get("embedding"), str) else item
+            for item in body.get("data", [])]
+    return {**body, "data": data}
 
 
 def validate_batch(status: dict[str, Any]) -> Any:

@@ -237,7 +237,7 @@ def _rerun_to_completion(source: str, sink: str, env: dict[str, str], log: Path)
 def _malformed() -> tuple[list[bytes], dict[str, str], int]:
     """Malformed jobs: (lines, custom_id -> expected error code, number of dead letters)."""
     unknown_url = _job(900)
-    unknown_url["url"] = "/v1/embeddings"
+    unknown_url["url"] = "/v1/images/generations"
     wrong_type = _job(901)
     wrong_type["body"]["max_tokens"] = "many"
     bad_param = _job(902)
