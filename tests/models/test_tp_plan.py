@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,7 +15,8 @@ from qworker.attention.cpu_backend import CpuAttentionBackend
 from qworker.engine.model_runner import ModelRunner
 from qworker.engine.step_inputs import StepInput
 from qworker.models.loader import check_tensor_parallel, load_model
-from qworker.models.parallel_layers import ShardInfo
+from qworker.models.moe import FusedExperts
+from qworker.models.parallel_layers import ShardInfo, even_range
 from qworker.models.tp_plan import TensorParallelConfigError
 from tests.engine.reference import random_prompts
 from tests.fixtures.models import make_tiny_model_dir
@@ -91,6 +93,13 @@ def _sharded_logits(path: Path, world: int, step: StepInput) -> tuple[torch.Tens
     pytest.param("qwen2", {}, 2, id="qwen2-tied-bias"),
     pytest.param("qwen3", {}, 2, id="qwen3-qk-norm"),
     pytest.param("opt", {}, 2, id="opt"),
+    pytest.param("gemma2", {}, 2, id="gemma2-softcaps-tied"),
+    pytest.param("gemma3", {}, 2, id="gemma3-mqa-per-type-rope"),
+    pytest.param("phi3", {}, 2, id="phi3-longrope-fused-checkpoint"),
+    pytest.param("mixtral", {}, 2, id="mixtral-8-experts-top-2"),
+    pytest.param("qwen2_moe", {}, 2, id="qwen2-moe-shared-expert"),
+    pytest.param("qwen3_moe", {"mlp_only_layers": [1]}, 2, id="qwen3-moe-16-top-4-dense-layer"),
+    pytest.param("qwen3_moe", {}, 4, id="qwen3-moe-4-ranks"),
 ])
 def test_sharded_forward_matches_the_whole_model(
         tmp_path: Path, arch: str, overrides: dict[str, int], world: int) -> None:
@@ -123,10 +132,19 @@ def test_each_rank_holds_its_heads_and_the_pool_is_sized_for_them(tmp_path: Path
      4,
      "must divide num_key_value_heads=6 or be a multiple of it"),
     ({"intermediate_size": 130}, 4, "must divide intermediate_size=130"),
+    pytest.param({"arch": "mixtral", "intermediate_size": 66}, 4,
+                 "must divide intermediate_size=66", id="mixtral-experts"),
+    pytest.param({"arch": "qwen2_moe", "moe_intermediate_size": 34}, 4,
+                 "must divide moe_intermediate_size=34", id="qwen2-moe-experts"),
+    pytest.param({"arch": "qwen2_moe", "shared_expert_intermediate_size": 66}, 4,
+                 "must divide shared_expert_intermediate_size=66", id="qwen2-moe-shared"),
+    pytest.param({"arch": "gemma2", "intermediate_size": 130}, 4,
+                 "must divide intermediate_size=130", id="gemma2"),
 ])
 def test_a_split_that_is_not_even_is_a_one_line_error_naming_the_field(
-        tmp_path: Path, overrides: dict[str, int], world: int, message: str) -> None:
-    path = make_tiny_model_dir("llama", tmp_path / "m", **overrides)
+        tmp_path: Path, overrides: dict[str, Any], world: int, message: str) -> None:
+    overrides = dict(overrides)
+    path = make_tiny_model_dir(overrides.pop("arch", "llama"), tmp_path / "m", **overrides)
     with pytest.raises(TensorParallelConfigError, match=message) as info:
         check_tensor_parallel(path, world)
     assert "\n" not in str(info.value)
@@ -135,3 +153,20 @@ def test_a_split_that_is_not_even_is_a_one_line_error_naming_the_field(
 def test_check_passes_for_a_model_that_splits(tmp_path: Path) -> None:
     path = make_tiny_model_dir("opt", tmp_path / "m")
     assert check_tensor_parallel(path, 4) == path
+
+
+def test_fused_expert_tensors_load_each_ranks_intermediate_slice() -> None:
+    # transformers 5's fused layout: gate_up_proj [E, 2I, H] (gate rows, then up rows),
+    # down_proj [E, H, I]; rank 1 of 2 holds rows/columns 3..6 of I = 6 in both.
+    gen = torch.Generator().manual_seed(0)
+    gate_up, down = torch.randn(3, 12, 5, generator=gen), torch.randn(3, 5, 6, generator=gen)
+    sliced = FusedExperts(3, 5, 3, torch.nn.functional.silu, inter_range=even_range(6, 1, 2))
+    for part, tensor in (("gate_up_proj", gate_up), ("down_proj", down)):
+        sliced.load(part, sliced.checkpoint_slice(part, tensor, True))
+    assert torch.equal(sliced.gate_up_proj.data,
+                       torch.cat([gate_up[:, 3:6], gate_up[:, 9:12]], dim=1))
+    assert torch.equal(sliced.down_proj.data, down[:, :, 3:6])
+    per_expert = sliced.checkpoint_slice("up", gate_up[0, 6:12], False)
+    assert torch.equal(per_expert, gate_up[0, 9:12])
+    with pytest.raises(ValueError, match="intermediate size"):
+        sliced.checkpoint_slice("down", torch.zeros(5, 8), False)
