@@ -6,7 +6,8 @@ so at most one checkpoint tensor exists beside the model. Only safetensors and G
 are read: pickled checkpoints (``.bin``/``.pt``) are refused, and no remote code runs.
 With a ``shard`` (tensor parallelism) the model is split on the meta device first
 (``qworker.models.tp_plan``) and each safetensors tensor reaches it unread, so a rank
-reads only its slice; a GGUF tensor is dequantized whole, then sliced.
+reads only its slice; a GGUF tensor is dequantized whole, then sliced. FP8 weights
+split the same way, their scales sliced with them (``qworker.models.quant``).
 """
 
 from __future__ import annotations
@@ -234,23 +235,9 @@ def _parse_config(local: Path, raw: dict[str, Any]) -> Any:
         raise ModelLoadError(f"cannot parse {local / 'config.json'}: {exc}") from exc
 
 
-def _refuse_quantized_shards(quant: QuantizedLoad | None) -> None:
-    """Tensor parallelism does not slice FP8 weights and their scales yet
-    (docs/tensor_parallel.md): refused in one line, never loaded wrongly."""
-    if quant is not None:
-        from qworker.models.tp_plan import TensorParallelConfigError
-
-        raise TensorParallelConfigError(
-            "tensor_parallel_size > 1 with FP8 weights (quantization_config or "
-            "quantization='fp8') is not supported yet; use tensor_parallel_size=1 or a "
-            "bf16/fp16 checkpoint with quantization='none'")
-
-
 def _build(architecture: str, config: Any, dtype: torch.dtype, device: torch.device,
            quant: QuantizedLoad | None = None, shard: ShardInfo | None = None) -> CausalLM:
     cls = model_class(architecture)
-    if shard is not None:
-        _refuse_quantized_shards(quant)
     with torch.device("meta"):
         model = cls(config, dtype)
         if shard is not None:

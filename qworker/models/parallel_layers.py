@@ -250,6 +250,3 @@ class VocabParallelEmbedding(nn.Embedding):
             _copy_rows(self.weight.data, read_rows(tensor, self.rows.start, self.rows.stop),
                        self.rows, kind)
 
-
-#: The modules whose parameters load through ``load_checkpoint`` (a slice each).
-SHARDED_MODULES = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
