@@ -165,14 +165,17 @@ def load_model(
 
 
 def check_tensor_parallel(path: str | os.PathLike[str], world_size: int, *,
-                          cache_dir: Path | None = None) -> Path:
+                          cache_dir: Path | None = None, quantization: str = "auto") -> Path:
     """Fetch ``path`` once (s3://, hub) and check its model splits over ``world_size`` ranks
-    (``TensorParallelConfigError`` naming the field otherwise); returns the local path
-    every rank then loads. Builds the model on the meta device: no weight is read."""
+    (``TensorParallelConfigError`` naming the field otherwise, FP8 block scales included
+    under ``quantization``); returns the local path every rank then loads. Builds the
+    model on the meta device: no weight is read (FP8 names from the headers)."""
     from qworker.models.tp_plan import shard_model
 
     local = resolve_source(path, cache_dir)
     gguf = _find_gguf(local)
+    quant: QuantizedLoad | None = None
+    meta = torch.device("meta")
     if gguf is not None:
         from qworker.models.gguf import load_gguf_config
 
@@ -184,8 +187,13 @@ def check_tensor_parallel(path: str | os.PathLike[str], world_size: int, *,
         raw = _read_json(local / "config.json", what="config.json")
         architecture = resolve_architecture(raw)
         config = _parse_config(local, raw)
-    with torch.device("meta"):
-        shard_model(model_class(architecture)(config), ShardInfo(0, world_size))
+        quant = plan_quantization(raw, quantization, torch.float32, meta,
+                                  _safetensors_files(local))
+    with meta:
+        model = model_class(architecture)(config)
+        shard_model(model, ShardInfo(0, world_size))
+        if quant is not None:
+            quant.prepare(model)
     return local
 
 

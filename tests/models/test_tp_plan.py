@@ -196,10 +196,11 @@ _BLOCK_LLAMA = {"hidden_size": 256, "intermediate_size": 256, "num_attention_hea
 
 
 def _fp8_runner(path: Path, shard: ShardInfo | None, gpu_layout: bool,
-                quantization: str = "auto") -> ModelRunner:
+                quantization: str = "auto", lazy: bool = True) -> ModelRunner:
     """A runner over the FP8 model at ``path``; ``gpu_layout``: the GPU's FP8 layers and
     experts built on the CPU, their kernels replaced by the fp32 reference of what they
-    compute (as ``tests/models/quant/test_fp8_linear.py`` does)."""
+    compute (as ``tests/models/quant/test_fp8_linear.py`` does); ``lazy=False``: every
+    tensor arrives read whole, as GGUF's do."""
     if not gpu_layout:
         loaded = load_model(path, torch.float32, "cpu", shard=shard, quantization=quantization)
         model, spec = loaded.model, loaded.spec
@@ -211,7 +212,8 @@ def _fp8_runner(path: Path, shard: ShardInfo | None, gpu_layout: bool,
         quant.keep_fp8, quant.fp8_experts = True, True
         model = _build(resolve_architecture(raw), _parse_config(path, raw), torch.float32,
                        torch.device("cpu"), quant, shard)
-        model.load_weights(quant.adapt(_iter_safetensors(files, lazy=shard is not None)))
+        model.load_weights(quant.adapt(_iter_safetensors(files,
+                                                          lazy=lazy and shard is not None)))
         kind = (MatmulKind.BLOCKWISE if quant.scheme.weights is WeightScales.BLOCK
                 else MatmulKind.ROWWISE)
         for m in model.modules():
@@ -257,7 +259,8 @@ def _bytes(runner: ModelRunner) -> int:
 
 @pytest.fixture(scope="module")
 def fp8_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A dense Llama and its compressed-tensors per-channel FP8 (FP8_DYNAMIC); a dense
+    """A dense Llama and its compressed-tensors FP8 (per-channel FP8_DYNAMIC, and static
+    per-tensor FP8); a dense
     Llama of whole 128-blocks and its block-FP8 checkpoint; a dense Qwen3-MoE."""
     root = tmp_path_factory.mktemp("tp_fp8")
     dense = make_tiny_model_dir("llama", root / "dense", seed=41, attention_bias=True)
@@ -265,34 +268,40 @@ def fp8_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {
         "dense": dense,
         "channel": write_compressed_tensors(dense, root / "channel", "FP8_DYNAMIC"),
+        "static": write_compressed_tensors(dense, root / "static", "FP8",
+                                           calibration=random_prompts(3, 5, 30, seed=9)),
         "block": write_block_fp8(block_dense, root / "block", (128, 128)),
         "block_dense": block_dense,
         "moe": make_tiny_model_dir("qwen2_moe", root / "moe", seed=44),
     }
 
 
-@pytest.mark.parametrize(("checkpoint", "quantization", "gpu_layout", "exact"), [
+@pytest.mark.parametrize(("checkpoint", "quantization", "gpu_layout", "exact", "lazy"), [
     # Block scales, 128-aligned slices: activation groups fall on the same columns, so
-    # the split model computes what the whole one does.
-    pytest.param("block", "auto", False, True, id="block-128-cpu-dequantized"),
-    pytest.param("block", "auto", True, True, id="block-128-gpu-layout"),
+    # the split model computes what the whole one does; so do static per-tensor input
+    # scales (replicated) over per-tensor weight scales.
+    pytest.param("block", "auto", False, True, True, id="block-128-cpu-dequantized"),
+    pytest.param("block", "auto", True, True, True, id="block-128-gpu-layout"),
     # Dynamic per-token activation scales of a row-parallel layer come from the rank's
     # input slice (as on the GPU), so the split model rounds differently: it must stay
     # as close to the dense model as the whole FP8 model is.
-    pytest.param("channel", "auto", False, False, id="ct-per-channel-cpu-emulated"),
-    pytest.param("channel", "auto", True, False, id="ct-per-channel-gpu-layout"),
-    pytest.param("dense", "fp8", True, False, id="online-fp8-gpu-layout"),
-    pytest.param("moe", "fp8", True, False, id="online-fp8-moe-experts-gpu-layout"),
+    pytest.param("channel", "auto", False, False, True, id="ct-per-channel-cpu-emulated"),
+    pytest.param("channel", "auto", True, False, True, id="ct-per-channel-gpu-layout"),
+    pytest.param("dense", "fp8", True, False, True, id="online-fp8-gpu-layout"),
+    pytest.param("dense", "fp8", True, False, False, id="online-fp8-gpu-layout-whole-tensors"),
+    pytest.param("static", "auto", False, True, True, id="ct-static-per-tensor-cpu-emulated"),
+    pytest.param("static", "auto", True, True, True, id="ct-static-per-tensor-gpu-layout"),
+    pytest.param("moe", "fp8", True, False, True, id="online-fp8-moe-experts-gpu-layout"),
 ])
 def test_fp8_sharded_forward_matches_the_whole_fp8_model(
         fp8_dirs: dict[str, Path], checkpoint: str, quantization: str, gpu_layout: bool,
-        exact: bool) -> None:
+        exact: bool, lazy: bool) -> None:
     path = fp8_dirs[checkpoint]
     step = _prefill(random_prompts(3, 5, 30, vocab=512, seed=4))
     whole = _fp8_runner(path, None, gpu_layout, quantization)
     expected = whole.execute(step)
     got, runners = _fp8_sharded(path, 2, step, gpu_layout=gpu_layout,
-                                quantization=quantization)
+                                quantization=quantization, lazy=lazy)
     if exact:
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     else:
@@ -321,3 +330,6 @@ def test_fp8_block_scales_that_a_rank_boundary_cuts_are_a_one_line_error(
                              r"block 128") as info:
         load_model(fp8, torch.float32, "cpu", shard=ShardInfo(0, 2))
     assert "\n" not in str(info.value)
+    with pytest.raises(TensorParallelConfigError, match="not a multiple of the FP8 weight"):
+        check_tensor_parallel(fp8, 2)  # before any rank starts
+    assert check_tensor_parallel(fp8, 2, quantization="none") == fp8  # dequantized: any split

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from qworker.models.checkpoint_tensor import (
+    CheckpointTensor,
     LazyTensor,
     Readable,
     read_all,
@@ -110,6 +111,13 @@ def _is_fp8(tensor: Readable) -> bool:
     return getattr(tensor, "dtype", None) == FP8
 
 
+def _dense_weight(tensor: Readable) -> bool:
+    """An unread dense weight under its scale's name (online FP8: each rank computes its
+    slice's scales); scales themselves arrive read, in their canonical form."""
+    return isinstance(tensor, CheckpointTensor | LazyTensor) and len(tensor.shape) == 2 \
+        and not _is_fp8(tensor)
+
+
 class Fp8ColumnParallelLinear(Fp8FusedLinear):
     """A column-parallel linear (``ColumnParallelLinear``'s parts and ranges) with FP8
     weights; loads through ``load_checkpoint``."""
@@ -142,7 +150,7 @@ class Fp8ColumnParallelLinear(Fp8FusedLinear):
                 if self.bias is None:
                     raise KeyError(f"{what}: this projection has no bias")
                 _copy(self.bias.data[start:start + rng.size], read_rows(tensor, lo, hi), what)
-            elif kind == "weight" or (kind == "weight_scale" and self.scheme.online):
+            elif kind == "weight" or (kind == "weight_scale" and _dense_weight(tensor)):
                 rows = read_rows(tensor, lo, hi)
                 if not _is_fp8(tensor):  # online FP8: quantize this rank's rows
                     w8, scales = quantize_weight_per_channel(rows)
@@ -190,7 +198,7 @@ class Fp8RowParallelLinear(Fp8FusedLinear):
             if self.bias is None:
                 raise KeyError("bias: this projection has no bias")
             _copy(self.bias.data, read_all(tensor), kind)
-        elif kind == "weight" or (kind == "weight_scale" and self.scheme.online):
+        elif kind == "weight" or (kind == "weight_scale" and _dense_weight(tensor)):
             sliced = read_cols(tensor, cols.start, cols.stop)
             if not _is_fp8(tensor):  # online FP8: quantize this rank's columns
                 w8, scales = quantize_weight_per_channel(sliced)
