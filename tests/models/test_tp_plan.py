@@ -15,6 +15,7 @@ import torch
 from qworker.attention.cpu_backend import CpuAttentionBackend
 from qworker.engine.model_runner import ModelRunner
 from qworker.engine.step_inputs import StepInput
+from qworker.models.checkpoint_tensor import read_cols, read_rows
 from qworker.models.loader import (
     _build,
     _iter_safetensors,
@@ -26,15 +27,21 @@ from qworker.models.loader import (
 from qworker.models.moe import FusedExperts
 from qworker.models.parallel_layers import ShardInfo, even_range
 from qworker.models.quant import plan_quantization, weight_bytes
+from qworker.models.quant.fp8 import dequantize_weight, quantize_weight_per_channel
 from qworker.models.quant.fp8_experts import Fp8FusedExperts
 from qworker.models.quant.fp8_linear import Fp8FusedLinear
 from qworker.models.quant.fp8_mm import MatmulKind
+from qworker.models.quant.fp8_parallel import DequantizedSlices
 from qworker.models.quant.scheme import WeightScales
 from qworker.models.registry import resolve_architecture
 from qworker.models.tp_plan import TensorParallelConfigError
 from tests.engine.reference import random_prompts
 from tests.fixtures.models import make_tiny_model_dir
-from tests.models.quant.checkpoints import write_block_fp8, write_compressed_tensors
+from tests.models.quant.checkpoints import (
+    block_quantize,
+    write_block_fp8,
+    write_compressed_tensors,
+)
 
 
 class ThreadReducer:
@@ -260,7 +267,7 @@ def _bytes(runner: ModelRunner) -> int:
 @pytest.fixture(scope="module")
 def fp8_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A dense Llama and its compressed-tensors FP8 (per-channel FP8_DYNAMIC, and static
-    per-tensor FP8); a dense
+    per-tensor FP8); a Qwen3-MoE with FP8 experts in 16 x 16 blocks; a dense
     Llama of whole 128-blocks and its block-FP8 checkpoint; a dense Qwen3-MoE."""
     root = tmp_path_factory.mktemp("tp_fp8")
     dense = make_tiny_model_dir("llama", root / "dense", seed=41, attention_bias=True)
@@ -273,6 +280,8 @@ def fp8_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "block": write_block_fp8(block_dense, root / "block", (128, 128)),
         "block_dense": block_dense,
         "moe": make_tiny_model_dir("qwen2_moe", root / "moe", seed=44),
+        "moe_block": write_block_fp8(make_tiny_model_dir("qwen3_moe", root / "moe3", seed=45),
+                                     root / "moe_block", (16, 16)),
     }
 
 
@@ -282,6 +291,7 @@ def fp8_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     # scales (replicated) over per-tensor weight scales.
     pytest.param("block", "auto", False, True, True, id="block-128-cpu-dequantized"),
     pytest.param("block", "auto", True, True, True, id="block-128-gpu-layout"),
+    pytest.param("moe_block", "auto", False, True, True, id="moe-experts-block-16-cpu"),
     # Dynamic per-token activation scales of a row-parallel layer come from the rank's
     # input slice (as on the GPU), so the split model rounds differently: it must stay
     # as close to the dense model as the whole FP8 model is.
@@ -291,6 +301,7 @@ def fp8_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     pytest.param("dense", "fp8", True, False, False, id="online-fp8-gpu-layout-whole-tensors"),
     pytest.param("static", "auto", False, True, True, id="ct-static-per-tensor-cpu-emulated"),
     pytest.param("static", "auto", True, True, True, id="ct-static-per-tensor-gpu-layout"),
+    pytest.param("moe", "fp8", False, False, True, id="online-fp8-moe-experts-cpu-emulated"),
     pytest.param("moe", "fp8", True, False, True, id="online-fp8-moe-experts-gpu-layout"),
 ])
 def test_fp8_sharded_forward_matches_the_whole_fp8_model(
@@ -333,3 +344,19 @@ def test_fp8_block_scales_that_a_rank_boundary_cuts_are_a_one_line_error(
     with pytest.raises(TensorParallelConfigError, match="not a multiple of the FP8 weight"):
         check_tensor_parallel(fp8, 2)  # before any rank starts
     assert check_tensor_parallel(fp8, 2, quantization="none") == fp8  # dequantized: any split
+
+
+@pytest.mark.parametrize("block", [None, (128, 128)])
+def test_an_fp8_weight_dequantized_slice_by_slice_equals_the_whole_dequantized(
+        block: tuple[int, int] | None) -> None:
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(200, 300, generator=gen)
+    if block is None:
+        w8, scales = quantize_weight_per_channel(w)
+    else:
+        w8, scales = block_quantize(w, block)  # partial edge blocks: a 2 x 3 grid
+    whole = dequantize_weight(w8, scales, torch.float32, block)
+    lazy = DequantizedSlices(w8, scales, torch.float32, block)
+    assert torch.equal(lazy.read(), whole)
+    assert torch.equal(read_rows(lazy, 70, 190), whole[70:190])  # inside and across blocks
+    assert torch.equal(read_cols(lazy, 100, 290), whole[:, 100:290])
