@@ -280,8 +280,8 @@ def fp8_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "block": write_block_fp8(block_dense, root / "block", (128, 128)),
         "block_dense": block_dense,
         "moe": make_tiny_model_dir("qwen2_moe", root / "moe", seed=44),
-        "moe_block": write_block_fp8(make_tiny_model_dir("qwen3_moe", root / "moe3", seed=45),
-                                     root / "moe_block", (16, 16)),
+        "moe_block_dense": (moe3 := make_tiny_model_dir("qwen3_moe", root / "moe3", seed=45)),
+        "moe_block": write_block_fp8(moe3, root / "moe_block", (16, 16)),
     }
 
 
@@ -292,6 +292,9 @@ def fp8_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     pytest.param("block", "auto", False, True, True, id="block-128-cpu-dequantized"),
     pytest.param("block", "auto", True, True, True, id="block-128-gpu-layout"),
     pytest.param("moe_block", "auto", False, True, True, id="moe-experts-block-16-cpu"),
+    # FP8 experts of the GPU requantize each rank's slice per channel (down_proj's rows
+    # over the rank's columns)
+    pytest.param("moe_block", "auto", True, False, True, id="moe-experts-block-16-gpu-layout"),
     # Dynamic per-token activation scales of a row-parallel layer come from the rank's
     # input slice (as on the GPU), so the split model rounds differently: it must stay
     # as close to the dense model as the whole FP8 model is.
@@ -316,8 +319,8 @@ def test_fp8_sharded_forward_matches_the_whole_fp8_model(
     if exact:
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     else:
-        dense_path = fp8_dirs["block_dense" if checkpoint == "block" else
-                              "moe" if checkpoint == "moe" else "dense"]
+        dense_path = fp8_dirs[{"block": "block_dense", "moe": "moe",
+                               "moe_block": "moe_block_dense"}.get(checkpoint, "dense")]
         dense = _runner(dense_path, None).execute(step)
         whole_err = float((expected - dense).abs().max())
         split_err = float((got - dense).abs().max())
