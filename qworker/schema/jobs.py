@@ -69,12 +69,14 @@ class Job:
 
     Exactly one of ``messages`` (chat) and ``prompt`` (completion) is set.
     ``top_logprobs`` is the number of alternatives per token to report when
-    ``want_logprobs``; ``deadline`` is unix seconds.
+    ``want_logprobs``; ``deadline`` is unix seconds. ``model`` is ``body.model`` as
+    given (None when absent), checked against what the worker serves when prepared.
     """
 
     custom_id: str
     kind: JobKind
     params: SamplingParams
+    model: str | None = None
     messages: list[dict[str, str]] | None = None
     prompt: str | list[int] | None = None
     batch_id: str | None = None
@@ -216,6 +218,7 @@ def _validate(data: dict[str, Any], custom_id: str) -> Job:
         custom_id=custom_id,
         kind=kind,
         params=SamplingParams(),
+        model=job_model(body),
         batch_id=batch_id,
         deadline=float(deadline) if deadline is not None else None,
         metadata=metadata,
@@ -226,6 +229,14 @@ def _validate(data: dict[str, Any], custom_id: str) -> Job:
         job.prompt = _prompt(body.get("prompt"))
     job.params, job.want_logprobs, job.top_logprobs = _sampling(body, kind)
     return job
+
+
+def job_model(body: dict[str, Any]) -> str | None:
+    """``body.model``: a non-empty string, or None when the body has none (every job kind)."""
+    model = body.get("model")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise InvalidRequestError(f"body.model must be a non-empty string, got {_describe(model)}")
+    return model
 
 
 def _messages(value: Any) -> list[dict[str, str]]:

@@ -5,8 +5,9 @@ Every job ends in exactly one line, shaped as OpenAI's batch output shapes it:
 - served: ``response.status_code`` 200 and a ``chat.completion`` / ``text_completion``
   body (``success_record``);
 - a request error (``invalid_request``, ``context_length_exceeded``,
-  ``duplicate_custom_id``): ``status_code`` 400 and ``body.error {message, type:
-  "invalid_request_error", param, code}``, with ``"error": null``;
+  ``duplicate_custom_id``): ``status_code`` 400 (``model_not_found``: 404) and
+  ``body.error {message, type: "invalid_request_error", param, code}``, with
+  ``"error": null``;
 - an engine failure (``engine_error``): the same with 500 and ``"server_error"``;
 - ``batch_expired``: ``"response": null`` and ``"error": {code, message}``.
 
@@ -31,10 +32,13 @@ from qworker.engine.outputs import RequestOutput
 from qworker.errors import QworkerError
 from qworker.schema.jobs import Job, JobKind
 
-#: Codes written as a 400 ``invalid_request_error`` response (the request is at fault).
+#: Codes written as an ``invalid_request_error`` response (the request is at fault): 400
+#: unless ``REQUEST_ERROR_STATUS`` says otherwise.
 REQUEST_ERROR_CODES = frozenset(
-    {"invalid_request", "context_length_exceeded", "duplicate_custom_id"}
+    {"invalid_request", "context_length_exceeded", "duplicate_custom_id", "model_not_found"}
 )
+#: The HTTP status OpenAI answers these request errors with (docs/formats.md, "Error lines").
+REQUEST_ERROR_STATUS = {"model_not_found": 404}
 #: Codes written as ``"response": null`` with a top-level ``error`` (never reached the model).
 BATCH_ERROR_CODES = frozenset({"batch_expired"})
 #: What OpenAI reports as a token's log-probability when it has none.
@@ -93,7 +97,7 @@ def error_record(
     else:
         request = code in REQUEST_ERROR_CODES
         record["response"] = {
-            "status_code": 400 if request else 500,
+            "status_code": REQUEST_ERROR_STATUS.get(code, 400) if request else 500,
             "request_id": new_request_id(),
             "body": {"error": {
                 "message": message,

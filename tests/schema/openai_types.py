@@ -19,6 +19,7 @@ openai = pytest.importorskip("openai")
 from openai import BaseModel as SDKModel  # noqa: E402
 from openai.types import Batch, BatchError, Completion, ErrorObject  # noqa: E402
 from openai.types.chat import ChatCompletion  # noqa: E402
+from openai.types.responses import Response  # noqa: E402
 
 
 class _Response(pydantic.BaseModel):
@@ -68,7 +69,8 @@ def exact(model: type[SDKModel], data: dict[str, Any], path: str = "$") -> SDKMo
 
 
 def validate_line(line: dict[str, Any]) -> str:
-    """Validate a whole result line; return its kind: chat, completion, 400, 500, expired."""
+    """Validate a whole result line; return its kind: chat, completion, response, 400, 404,
+    500, expired."""
     env = OutputLine.model_validate(line)
     if env.response is not None:
         assert env.error is None, "a line with a response has error null"
@@ -79,13 +81,18 @@ def validate_line(line: dict[str, Any]) -> str:
                 chat = exact(ChatCompletion, body, "body")
                 assert chat.id.startswith("chatcmpl-")
                 return "chat"
+            if body.get("object") == "response":
+                response = exact(Response, body, "body")
+                assert response.id.startswith("resp_")
+                return "response"
             completion = exact(Completion, body, "body")
             assert completion.id.startswith("cmpl-")
             return "completion"
         assert set(body) == {"error"}, body
         error = exact(ErrorObject, body["error"], "body.error")
         assert set(body["error"]) == {"message", "type", "param", "code"}
-        expected = {400: "invalid_request_error", 500: "server_error"}
+        expected = {400: "invalid_request_error", 404: "invalid_request_error",
+                    500: "server_error"}
         assert error.type == expected[env.response.status_code]
         return str(env.response.status_code)
     assert env.error is not None

@@ -37,7 +37,7 @@ def _job(i: int, content: str | None = None) -> dict[str, Any]:
         "method": "POST",
         "url": "/v1/chat/completions",
         "body": {
-            "model": "any",
+            "model": "echo",
             "messages": [{"role": "user", "content": content or f"hello {i}"}],
             "max_tokens": 8,
             "temperature": 0,
