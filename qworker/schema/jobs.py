@@ -25,6 +25,7 @@ from qworker.schema.structured import structured_outputs
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
+RESPONSES_URL = "/v1/responses"
 MAX_N = 128
 MAX_METADATA_DEPTH = 32
 # Caps that keep one request from costing the worker out of proportion (docs/formats.md):
@@ -61,13 +62,14 @@ class JobKind(Enum):
 
     CHAT = "chat"
     COMPLETION = "completion"
+    RESPONSES = "responses"  # a chat job answered with a Response object (schema/responses.py)
 
 
 @dataclass(slots=True)
 class Job:
     """A validated job: what to generate and how to answer it.
 
-    Exactly one of ``messages`` (chat) and ``prompt`` (completion) is set.
+    Exactly one of ``messages`` (chat, responses) and ``prompt`` (completion) is set.
     ``top_logprobs`` is the number of alternatives per token to report when
     ``want_logprobs``; ``deadline`` is unix seconds. ``model`` is ``body.model`` as
     given (None when absent), checked against what the worker serves when prepared.
@@ -84,6 +86,8 @@ class Job:
     metadata: dict[str, Any] | None = None
     want_logprobs: bool = False
     top_logprobs: int = 0
+    #: Responses jobs: the request fields their ``Response`` object echoes back.
+    echo: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -201,13 +205,18 @@ def _validate(data: dict[str, Any], custom_id: str) -> Job:
     if method != "POST":
         raise InvalidRequestError(f'method must be "POST", got {_describe(method)}')
     url = data.get("url")
-    if url not in (CHAT_URL, COMPLETIONS_URL):
+    if url not in (CHAT_URL, COMPLETIONS_URL, RESPONSES_URL):
         raise InvalidRequestError(
-            f"url must be {CHAT_URL} or {COMPLETIONS_URL}, got {_describe(url)}"
+            f"url must be {CHAT_URL}, {COMPLETIONS_URL} or {RESPONSES_URL}, got {_describe(url)}"
         )
     body = data.get("body")
     if not isinstance(body, dict):
         raise InvalidRequestError(f"body must be an object, got {_describe(body)}")
+    deadline_s = float(deadline) if deadline is not None else None
+    if url == RESPONSES_URL:  # its own fields and refusals (docs/formats.md, "Responses jobs")
+        from qworker.schema.responses import responses_job
+
+        return responses_job(custom_id, body, batch_id, deadline_s, metadata)
     for name, harmless in _UNSUPPORTED.items():
         if name in body and not harmless(body[name]):
             raise InvalidRequestError(
@@ -220,7 +229,7 @@ def _validate(data: dict[str, Any], custom_id: str) -> Job:
         params=SamplingParams(),
         model=job_model(body),
         batch_id=batch_id,
-        deadline=float(deadline) if deadline is not None else None,
+        deadline=deadline_s,
         metadata=metadata,
     )
     if kind is JobKind.CHAT:

@@ -3,7 +3,7 @@
 Every job ends in exactly one line, shaped as OpenAI's batch output shapes it:
 
 - served: ``response.status_code`` 200 and a ``chat.completion`` / ``text_completion``
-  body (``success_record``);
+  body, or a ``response`` one for ``/v1/responses`` jobs (``success_record``);
 - a request error (``invalid_request``, ``context_length_exceeded``,
   ``duplicate_custom_id``): ``status_code`` 400 (``model_not_found``: 404) and
   ``body.error {message, type: "invalid_request_error", param, code}``, with
@@ -31,6 +31,7 @@ import orjson
 from qworker.engine.outputs import RequestOutput
 from qworker.errors import QworkerError
 from qworker.schema.jobs import Job, JobKind
+from qworker.schema.response_body import response_body
 
 #: Codes written as an ``invalid_request_error`` response (the request is at fault): 400
 #: unless ``REQUEST_ERROR_STATUS`` says otherwise.
@@ -173,13 +174,16 @@ def success_record(
     decode_token: Callable[[int], str] | None = None,
     created: int | None = None,
 ) -> dict[str, Any]:
-    """The output line of a served job: a chat.completion or text_completion body.
+    """The output line of a served job: a chat.completion, text_completion or (responses
+    jobs) response body.
 
     ``decode_token`` turns one token id into its text for logprobs (``token_id:N``
     without it). ``n > 1`` gives one choice per completion, by index.
     """
     decode = decode_token or (lambda tid: f"token_id:{tid}")
     hex_id = new_id()
+    if job.kind is JobKind.RESPONSES:
+        return _served_line(job, hex_id, response_body(job, output, model, hex_id, created))
     chat = job.kind is JobKind.CHAT
     choices = []
     for comp in sorted(output.outputs, key=lambda c: c.index):
@@ -211,6 +215,11 @@ def success_record(
             "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens},
         },
     }
+    return _served_line(job, hex_id, body)
+
+
+def _served_line(job: Job, hex_id: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The batch output line around a served job's ``body`` (``request_id`` from ``hex_id``)."""
     record: dict[str, Any] = {
         "id": f"batch_req_{new_id()}",
         "custom_id": job.custom_id,

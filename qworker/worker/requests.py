@@ -18,7 +18,7 @@ from typing import Any
 
 from qworker.engine.outputs import RequestOutput
 from qworker.errors import BatchExpiredError, EngineError, InvalidRequestError, QworkerError
-from qworker.schema import Job, JobKind, ParsedJob, error_record_for, parse_job, success_record
+from qworker.schema import Job, ParsedJob, error_record_for, parse_job, success_record
 from qworker.schema.jobs import logprob_volume_error
 from qworker.schema.peek import PeekedIds
 from qworker.worker.engine_thread import EngineLike
@@ -139,7 +139,7 @@ def encode(engine: EngineLike, job: Job) -> tuple[str | None, list[int]]:
     Chat messages go through the tokenizer's chat template. Raises the engine's
     ``InvalidRequestError`` / ``ContextLengthExceededError``.
     """
-    if job.kind is JobKind.CHAT:
+    if job.messages is not None:  # chat and responses jobs
         ids = engine.encode_chat(job.messages or [])
         _, token_ids = engine.validate_prompt(ids, job.params)
         return None, token_ids
