@@ -18,7 +18,7 @@ from tests.schema.openai_types import validate_line
 
 pytest.importorskip("openai")
 
-from openai.types.responses import Response  # noqa: E402
+from openai.types.responses import Response
 
 
 def _line(**body: Any) -> bytes:
