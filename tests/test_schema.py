@@ -71,7 +71,8 @@ def test_message_that_is_not_a_job_object_is_dead_lettered(raw: bytes, reason: s
     ("raw", "message"),
     [
         (_job(url="/v1/embeddings"),
-         'url must be /v1/chat/completions or /v1/completions, got "/v1/embeddings"'),
+         'url must be /v1/chat/completions, /v1/completions or /v1/responses, got '
+         '"/v1/embeddings"'),
         (_job(method="GET"), 'method must be "POST", got "GET"'),
         (_job(body=[1]), "body must be an object, got an array [1]"),
         (_job({"messages": []}), "body.messages must be a non-empty list, got an array []"),

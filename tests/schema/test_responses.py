@@ -223,3 +223,15 @@ def test_the_line_keeps_the_batch_fields_of_the_job() -> None:
     record = _served(job)
     assert (record["custom_id"], record["batch_id"], record["metadata"]) == (
         "r9", "b1", {"src": "x"})
+
+
+def test_formats_md_lists_exactly_the_responses_fields_that_are_refused() -> None:
+    import re
+    from pathlib import Path
+
+    from qworker.schema.responses import _UNSUPPORTED
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "formats.md").read_text()
+    start = text.index("### Responses jobs")
+    paragraph = text[text.index("...):", start) + 5:text.index("; input items other", start)]
+    assert set(re.findall(r"`(\w+)`", paragraph)) == set(_UNSUPPORTED)
