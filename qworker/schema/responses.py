@@ -177,10 +177,12 @@ def _text(value: Any) -> dict[str, Any]:
         if not isinstance(name, str) or not name:
             raise InvalidRequestError(
                 f"body.text.format.name must be a non-empty string, got {_describe(name)}")
-        for key in ("description",):
-            if fmt.get(key) is not None and not isinstance(fmt[key], str):
-                raise InvalidRequestError(f"body.text.format.{key} must be a string")
-    out: dict[str, Any] = {"format": fmt}
+        if fmt.get("description") is not None and not isinstance(fmt["description"], str):
+            raise InvalidRequestError("body.text.format.description must be a string")
+    # Echoed as OpenAI echoes it: the format's own fields only.
+    keys = ("type", "name", "schema", "description", "strict") if fmt["type"] == "json_schema" \
+        else ("type",)
+    out: dict[str, Any] = {"format": {k: fmt[k] for k in keys if k in fmt}}
     verbosity = value.get("verbosity")
     if verbosity is not None:
         if verbosity not in ("low", "medium", "high"):

@@ -89,6 +89,9 @@ def test_text_format_maps_to_the_structured_outputs_response_format_gives() -> N
                 ).params.structured_outputs
     assert spec is not None and spec.json == schema
     assert spec.where == "body.text.format.schema"  # compile errors name the Responses field
+    echoed = _job(input="x", text={"format": {"type": "json_object", "extra": 1},
+                                   "verbosity": "low"}).echo["text"]
+    assert echoed == {"format": {"type": "json_object"}, "verbosity": "low"}
 
 
 def test_harmless_defaults_and_ignored_fields_are_accepted() -> None:
