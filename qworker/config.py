@@ -76,7 +76,18 @@ class WorkerSettings(EngineSettings):  # type: ignore[misc, valid-type]
 
     source: str = Field("file://./examples/requests.jsonl", description="job source URI")
     sink: str = Field("file://./results", description="result sink URI")
-    model: str = Field(SMOLLM2_ALIAS, description="model dir, 'smollm2', or echo://")
+    model: str = Field(
+        SMOLLM2_ALIAS,
+        description="model dir, 'smollm2', or echo://; required with a kafka or sqs source "
+        "(the default serves only the embedded file:// spool)",
+    )
+    model_aliases: str | None = Field(
+        None, description="comma-separated extra names jobs may give as body.model (besides "
+        "the served name and --model as given); others get model_not_found (docs/formats.md)"
+    )
+    accept_any_model: bool = Field(
+        False, description="serve every job whatever its body.model names"
+    )
     until_idle: float | None = Field(
         None,
         description="exit 0 once, for this many seconds, nothing is in flight here and the "

@@ -27,6 +27,16 @@ class ContextLengthExceededError(InvalidRequestError):
     code = "context_length_exceeded"
 
 
+class ModelNotFoundError(InvalidRequestError):
+    """The job's ``model`` names no model this worker serves (``model_not_found``, a 404).
+
+    docs/formats.md, "Model names": the served name, ``--model`` as given, or an alias.
+    """
+
+    code = "model_not_found"
+    param = "model"
+
+
 class BatchExpiredError(QworkerError):
     """The job's ``deadline`` passed before it could be served (``batch_expired``)."""
 

@@ -64,21 +64,24 @@ class JobKind(Enum):
     CHAT = "chat"
     COMPLETION = "completion"
     EMBEDDING = "embedding"
+    RESPONSES = "responses"  # a chat job answered with a Response object (schema/responses.py)
 
 
 @dataclass(slots=True)
 class Job:
     """A validated job: what to generate and how to answer it.
 
-    Exactly one of ``messages`` (chat), ``prompt`` (completion) and ``inputs``
+    Exactly one of ``messages`` (chat, responses), ``prompt`` (completion) and ``inputs``
     (embedding: its ``encoding_format`` and ``dimensions`` beside it; ``params`` unused)
     is set. ``top_logprobs`` is the number of alternatives per token to report when
-    ``want_logprobs``; ``deadline`` is unix seconds.
+    ``want_logprobs``; ``deadline`` is unix seconds. ``model`` is ``body.model`` as
+    given (None when absent), checked against what the worker serves when prepared.
     """
 
     custom_id: str
     kind: JobKind
     params: SamplingParams
+    model: str | None = None
     messages: list[dict[str, str]] | None = None
     prompt: str | list[int] | None = None
     batch_id: str | None = None
@@ -89,6 +92,8 @@ class Job:
     inputs: list[str | list[int]] | None = None
     encoding_format: str = "float"
     dimensions: int | None = None
+    #: Responses jobs: the request fields their ``Response`` object echoes back.
+    echo: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -206,7 +211,7 @@ def _validate(data: dict[str, Any], custom_id: str) -> Job:
     if method != "POST":
         raise InvalidRequestError(f'method must be "POST", got {_describe(method)}')
     url = data.get("url")
-    if url not in (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL):
+    if url not in (CHAT_URL, COMPLETIONS_URL, RESPONSES_URL, EMBEDDINGS_URL):
         raise InvalidRequestError(
             f"url must be {CHAT_URL}, {COMPLETIONS_URL}, {RESPONSES_URL} or {EMBEDDINGS_URL}, "
             f"got {_describe(url)}"
@@ -214,6 +219,11 @@ def _validate(data: dict[str, Any], custom_id: str) -> Job:
     body = data.get("body")
     if not isinstance(body, dict):
         raise InvalidRequestError(f"body must be an object, got {_describe(body)}")
+    deadline_s = float(deadline) if deadline is not None else None
+    if url == RESPONSES_URL:  # its own fields and refusals (docs/formats.md, "Responses jobs")
+        from qworker.schema.responses import responses_job
+
+        return responses_job(custom_id, body, batch_id, deadline_s, metadata)
     for name, harmless in _UNSUPPORTED.items():
         if url != EMBEDDINGS_URL and name in body and not harmless(body[name]):
             raise InvalidRequestError(
@@ -225,8 +235,9 @@ def _validate(data: dict[str, Any], custom_id: str) -> Job:
         custom_id=custom_id,
         kind=kind,
         params=SamplingParams(),
+        model=job_model(body),
         batch_id=batch_id,
-        deadline=float(deadline) if deadline is not None else None,
+        deadline=deadline_s,
         metadata=metadata,
     )
     if kind is JobKind.EMBEDDING:
@@ -240,6 +251,14 @@ def _validate(data: dict[str, Any], custom_id: str) -> Job:
         job.prompt = _prompt(body.get("prompt"))
     job.params, job.want_logprobs, job.top_logprobs = _sampling(body, kind)
     return job
+
+
+def job_model(body: dict[str, Any]) -> str | None:
+    """``body.model``: a non-empty string, or None when the body has none (every job kind)."""
+    model = body.get("model")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise InvalidRequestError(f"body.model must be a non-empty string, got {_describe(model)}")
+    return model
 
 
 def _messages(value: Any) -> list[dict[str, str]]:

@@ -1,6 +1,6 @@
 """Embedding jobs on the worker's side: which task a job needs, and its inputs encoded.
 
-A worker serves one task, its engine's ``task``: ``generate`` (chat, completions) or
+A worker serves one task, its engine's ``task``: ``generate`` (chat, completions, responses) or
 ``embed`` (``/v1/embeddings``). ``task_error`` is the 400 ``invalid_request`` of a job
 for the other task, decided in ``requests.prepare`` so such a job never reaches the
 engine (docs/formats.md, "Embedding jobs"). ``encode_inputs`` tokenizes and checks an
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from qworker.errors import InvalidRequestError
 from qworker.schema import CHAT_URL, COMPLETIONS_URL, Job, JobKind
-from qworker.schema.jobs import EMBEDDINGS_URL
+from qworker.schema.jobs import EMBEDDINGS_URL, RESPONSES_URL
 from qworker.worker.engine_thread import EmbeddingEngineLike
 
 GENERATE = "generate"
@@ -19,7 +19,7 @@ EMBED = "embed"
 #: OpenAI's limit on the tokens of all inputs of one embeddings request together.
 MAX_EMBEDDING_REQUEST_TOKENS = 300_000
 _URLS = {JobKind.CHAT: CHAT_URL, JobKind.COMPLETION: COMPLETIONS_URL,
-         JobKind.EMBEDDING: EMBEDDINGS_URL}
+         JobKind.RESPONSES: RESPONSES_URL, JobKind.EMBEDDING: EMBEDDINGS_URL}
 _WHAT = {GENERATE: "text generation", EMBED: "embeddings"}
 _MODEL = {GENERATE: "a generation model", EMBED: "an embedding model"}
 

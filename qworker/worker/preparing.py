@@ -18,6 +18,7 @@ from qworker.worker.engine_thread import EngineLike
 from qworker.worker.job import Job, JobState
 from qworker.worker.job_table import JobTable
 from qworker.worker.requests import Prepared, Unserved, prepare
+from qworker.worker.served_models import ServedModels
 from qworker.worker.settle import Settler
 from qworker.worker.sources.base import Message
 
@@ -31,9 +32,10 @@ class Preparer:
 
     def __init__(self, engine: EngineLike, max_job_bytes: int,
                  pool: concurrent.futures.Executor, table: JobTable, settler: Settler,
-                 on_ready: Callable[[], None]) -> None:
+                 on_ready: Callable[[], None], served: ServedModels | None = None) -> None:
         self.engine = engine
         self.max_job_bytes = max_job_bytes
+        self.served = served
         self.pool = pool
         self.table = table
         self.settler = settler
@@ -52,7 +54,7 @@ class Preparer:
         for msg in msgs:
             try:
                 outcomes.append(prepare(self.engine, msg.body, self.max_job_bytes,
-                                        size=msg.size, ids=msg.ids))
+                                        size=msg.size, ids=msg.ids, served=self.served))
             except Exception as exc:
                 outcomes.append(exc)
         return outcomes

@@ -24,6 +24,7 @@ from qworker.schema.jobs import logprob_volume_error
 from qworker.schema.peek import PeekedIds
 from qworker.worker.embedding_jobs import encode_inputs, task_error
 from qworker.worker.engine_thread import EmbeddingEngineLike, EngineLike
+from qworker.worker.served_models import ServedModels
 
 
 @dataclass(slots=True)
@@ -75,11 +76,13 @@ def job_error(exc: BaseException, doing: str) -> Exception:
 
 def prepare(engine: EngineLike, body: bytes, max_job_bytes: int,
             now: float | None = None, size: int | None = None,
-            ids: PeekedIds | None = None) -> Prepared | Unserved:
+            ids: PeekedIds | None = None,
+            served: ServedModels | None = None) -> Prepared | Unserved:
     """Parse, validate and tokenize one message; never raises.
 
     ``size``: the message's full size when ``body`` is only its head; ``ids``: what a
-    scan of the whole message found (``parse_job``).
+    scan of the whole message found (``parse_job``). ``served``: the model names the job
+    may ask for (default: only ``engine.model_name``); any other is ``model_not_found``.
     """
     try:
         parsed = parse_job(body, max_job_bytes, size, ids)
@@ -87,7 +90,7 @@ def prepare(engine: EngineLike, body: bytes, max_job_bytes: int,
         return Unserved(None, None, dead_letter=f"qworker could not parse it: "
                         f"{type(exc).__name__}: {exc}", code="dead_letter")
     try:
-        return _prepare_parsed(engine, parsed, now)
+        return _prepare_parsed(engine, parsed, now, served)
     except Exception as exc:
         error = job_error(exc, "prepare it")
         if not parsed.custom_id:
@@ -95,8 +98,8 @@ def prepare(engine: EngineLike, body: bytes, max_job_bytes: int,
         return _unserved(parsed.custom_id, parsed.batch_id, error, None, parsed.fingerprint)
 
 
-def _prepare_parsed(engine: EngineLike, parsed: ParsedJob,
-                    now: float | None) -> Prepared | Unserved:
+def _prepare_parsed(engine: EngineLike, parsed: ParsedJob, now: float | None,
+                    served: ServedModels | None) -> Prepared | Unserved:
     fingerprint = parsed.fingerprint
     if parsed.dead_letter is not None:
         return Unserved(parsed.custom_id, parsed.batch_id, dead_letter=parsed.dead_letter,
@@ -106,6 +109,10 @@ def _prepare_parsed(engine: EngineLike, parsed: ParsedJob,
             else QworkerError("unparseable job")
         return _unserved(parsed.custom_id or "", parsed.batch_id, exc, None, fingerprint)
     job = parsed.job
+    # Whatever the job's kind: never answer a job with a model it did not ask for.
+    wrong_model = (served or ServedModels.of(engine.model_name)).check(job.model)
+    if wrong_model is not None:
+        return _unserved(job.custom_id, job.batch_id, wrong_model, job.metadata, fingerprint)
     wrong_task = task_error(engine.task, job)  # never reaches an engine of the other task
     if wrong_task is not None:
         return _unserved(job.custom_id, job.batch_id, wrong_task, job.metadata, fingerprint)
@@ -146,7 +153,7 @@ def encode(engine: EngineLike, job: Job) -> tuple[str | None, list[int]]:
     Chat messages go through the tokenizer's chat template. Raises the engine's
     ``InvalidRequestError`` / ``ContextLengthExceededError``.
     """
-    if job.kind is JobKind.CHAT:
+    if job.messages is not None:  # chat and responses jobs
         ids = engine.encode_chat(job.messages or [])
         _, token_ids = engine.validate_prompt(ids, job.params)
         return None, token_ids

@@ -45,6 +45,7 @@ from qworker.worker.preparing import Preparer
 from qworker.worker.requests import token_decoder
 from qworker.worker.result_writer import ResultWriter
 from qworker.worker.retry import GaveUp, Retrier
+from qworker.worker.served_models import ServedModels
 from qworker.worker.settle import Settler
 from qworker.worker.sinks.base import Sink
 from qworker.worker.source_start import Started, start_source
@@ -114,7 +115,8 @@ class Worker:
                                self.metrics, self.summary, self.tasks, self._pool,
                                engine.model_name, token_decoder(engine), self._progress.set)
         self.preparer = Preparer(engine, settings.max_job_bytes, self._pool, self.table,
-                                 self.settler, self._admit)
+                                 self.settler, self._admit,
+                                 ServedModels.from_settings(settings, engine.model_name))
         self.failures = StepFailures(self.table, settings.max_job_attempts)
         self.idle = IdleCheck(source, self.source_retrier)
         self._kv_usage = 0.0

@@ -339,6 +339,8 @@ class Campaign:
             "QWORKER_LOG_FORMAT": "json",
             "QWORKER_ENGINE_STEP_TIMEOUT": str(self.cfg.engine_step_timeout),
         }
+        if self.cfg.model:  # the jobs name the echo model (chaos_lib/jobs.py)
+            env["QWORKER_MODEL_ALIASES"] = "echo"
         if self.hostile:
             env["QWORKER_MAX_JOB_BYTES"] = str(self.cfg.max_job_bytes)
         if self.cfg.queue == "sqs":

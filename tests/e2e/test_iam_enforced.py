@@ -168,7 +168,8 @@ def test_the_deployment_runs_end_to_end_under_the_shipped_policies(
         {**_job("slow", "slow"), "batch_id": "slow"}))
     env = _worker_env(moto, tmp_path, QWORKER_SQS_VISIBILITY_TIMEOUT="3")
     cmd = [sys.executable, "-m", "qworker", "run", "--source", f"sqs://{dep.jobs_queue}",
-           "--sink", sink, "--model", "echo://?delay_ms=600&steps=4", "--until-idle", "2"]
+           "--sink", sink, "--model", "echo://?delay_ms=600&steps=4", "--until-idle", "2",
+           "--model-aliases", "smollm2"]  # the echo engine stands in for the job's model
     log = tmp_path / "worker-by-name.log"
     with running(cmd, env, log) as worker:
         try:

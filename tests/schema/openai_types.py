@@ -26,6 +26,7 @@ from openai.types import (  # noqa: E402
     ErrorObject,
 )
 from openai.types.chat import ChatCompletion  # noqa: E402
+from openai.types.responses import Response  # noqa: E402
 
 
 class _Response(pydantic.BaseModel):
@@ -75,7 +76,8 @@ def exact(model: type[SDKModel], data: dict[str, Any], path: str = "$") -> SDKMo
 
 
 def validate_line(line: dict[str, Any]) -> str:
-    """Validate a whole result line; return its kind: chat, completion, embedding, 400,
+    """Validate a whole result line; return its kind: chat, completion, response, embedding,
+    400, 404,
     500, expired."""
     env = OutputLine.model_validate(line)
     if env.response is not None:
@@ -91,13 +93,18 @@ def validate_line(line: dict[str, Any]) -> str:
                 exact(CreateEmbeddingResponse, sdk_decoded(body), "body")
                 assert set(body) == {"object", "data", "model", "usage"}
                 return "embedding"
+            if body.get("object") == "response":
+                response = exact(Response, body, "body")
+                assert response.id.startswith("resp_")
+                return "response"
             completion = exact(Completion, body, "body")
             assert completion.id.startswith("cmpl-")
             return "completion"
         assert set(body) == {"error"}, body
         error = exact(ErrorObject, body["error"], "body.error")
         assert set(body["error"]) == {"message", "type", "param", "code"}
-        expected = {400: "invalid_request_error", 500: "server_error"}
+        expected = {400: "invalid_request_error", 404: "invalid_request_error",
+                    500: "server_error"}
         assert error.type == expected[env.response.status_code]
         return str(env.response.status_code)
     assert env.error is not None
