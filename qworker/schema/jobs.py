@@ -29,6 +29,9 @@ RESPONSES_URL = "/v1/responses"
 EMBEDDINGS_URL = "/v1/embeddings"
 MAX_N = 128
 MAX_METADATA_DEPTH = 32
+#: Values (at any depth) in a job's ``metadata``: it is copied into every record, and
+#: serializing a JSON array costs the encoder ~300 bytes per item for a moment.
+MAX_METADATA_VALUES = 1024
 # Caps that keep one request from costing the worker out of proportion (docs/formats.md):
 MAX_CUSTOM_ID_BYTES = 4096
 MAX_STOP_STRINGS = 16  # every stop string is checked against every generated token
@@ -207,6 +210,8 @@ def _validate(data: dict[str, Any], custom_id: str) -> Job:
         raise InvalidRequestError(f"metadata must be an object, got {_describe(metadata)}")
     if metadata is not None and _depth(metadata) > MAX_METADATA_DEPTH:
         raise InvalidRequestError(f"metadata is nested deeper than {MAX_METADATA_DEPTH} levels")
+    if metadata is not None and _more_values_than(metadata, MAX_METADATA_VALUES):
+        raise InvalidRequestError(f"metadata holds more than {MAX_METADATA_VALUES} values")
     method = data.get("method", "POST")
     if method != "POST":
         raise InvalidRequestError(f'method must be "POST", got {_describe(method)}')
@@ -443,6 +448,20 @@ def _depth(value: Any) -> int:
     return deepest
 
 
+def _more_values_than(value: dict[str, Any] | list[Any], limit: int) -> bool:
+    """Whether ``value`` holds more than ``limit`` values at any depth (iterative; stops
+    counting as soon as it knows)."""
+    count, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        count += len(item)
+        if count > limit:
+            return True
+        stack.extend(child for child in (item.values() if isinstance(item, dict) else item)
+                     if isinstance(child, dict | list))
+    return False
+
+
 def _json_type(value: Any) -> str:
     if value is None:
         return "null"
@@ -466,8 +485,37 @@ def _describe(value: Any) -> str:
 
 
 def _short(value: Any) -> str:
+    """At most 60 characters of ``value``'s JSON, from a preview of its first values: the
+    whole value may be a 100,000-item array (serializing it costs ~300 bytes an item)."""
+    budget = [_PREVIEW_VALUES]
     try:
-        text = orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
+        text = orjson.dumps(_preview(value, budget), option=orjson.OPT_NON_STR_KEYS).decode()
     except (TypeError, orjson.JSONEncodeError):
         text = f"<{_json_type(value)} too deeply nested>"
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+#: Values a preview keeps: each is at least 2 characters of JSON, so a cut preview is
+#: always longer than the 60 characters shown (and shown with "...").
+_PREVIEW_VALUES = 40
+
+
+def _preview(value: Any, budget: list[int]) -> Any:
+    """``value`` with only its first ``budget[0]`` values at any depth (depth-first)."""
+    if not isinstance(value, dict | list) or budget[0] <= 0:
+        return value if not isinstance(value, dict | list) else type(value)()
+    if isinstance(value, dict):
+        out: dict[Any, Any] = {}
+        for key, child in value.items():
+            if budget[0] <= 0:
+                break
+            budget[0] -= 1
+            out[key] = _preview(child, budget)
+        return out
+    items = []
+    for child in value:
+        if budget[0] <= 0:
+            break
+        budget[0] -= 1
+        items.append(_preview(child, budget))
+    return items
