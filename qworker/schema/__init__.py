@@ -19,12 +19,16 @@ from qworker.schema.jobs import (
     parse_job,
 )
 from qworker.schema.keys import (
+    CANCEL_NAME,
+    COLLECTED_NAME,
     CONFLICTS_DIR,
     DEAD_LETTERS_DIR,
     DEFAULT_BATCH,
     MANIFEST_NAME,
     MAX_SAFE_BYTES,
     batch_folder,
+    cancel_key,
+    collected_key,
     conflict_key,
     dead_letter_key,
     manifest_key,
@@ -45,6 +49,8 @@ from qworker.schema.records import (
 )
 
 __all__ = [
+    "CANCEL_NAME",
+    "COLLECTED_NAME",
     "CHAT_URL",
     "COMPLETIONS_URL",
     "CONFLICTS_DIR",
@@ -58,6 +64,8 @@ __all__ = [
     "JobKind",
     "ParsedJob",
     "batch_folder",
+    "cancel_key",
+    "collected_key",
     "conflict_key",
     "conflict_record",
     "dead_letter_key",

@@ -68,7 +68,8 @@ def exact(model: type[SDKModel], data: dict[str, Any], path: str = "$") -> SDKMo
 
 
 def validate_line(line: dict[str, Any]) -> str:
-    """Validate a whole result line; return its kind: chat, completion, 400, 500, expired."""
+    """Validate a whole result line; return its kind: chat, completion, 400, 500, expired,
+    cancelled."""
     env = OutputLine.model_validate(line)
     if env.response is not None:
         assert env.error is None, "a line with a response has error null"
@@ -90,8 +91,8 @@ def validate_line(line: dict[str, Any]) -> str:
         return str(env.response.status_code)
     assert env.error is not None
     exact(BatchError, line["error"], "error")
-    assert env.error.code == "batch_expired"
-    return "expired"
+    assert env.error.code in ("batch_expired", "batch_cancelled")
+    return env.error.code.removeprefix("batch_")
 
 
 def validate_batch(status: dict[str, Any]) -> Any:
