@@ -6,9 +6,10 @@ order), ``conflicts`` and ``unexpected`` (results for ids the manifest does not 
 ``status`` (``lifecycle_status``): ``validating`` while produce sends, ``failed`` when
 it did not finish, ``cancelling`` / ``cancelled`` once ``qworker cancel`` wrote the
 marker (results missing / all there), ``expired`` once the completion window
-(``expires_at``) passed with results missing or some answered ``batch_expired``, ``completed`` when every id
-has a result, else ``in_progress``; without a manifest the total is what is stored and
-the status stays ``in_progress``. ``request_counts`` count only the manifest's ids;
+(``expires_at``) passed with results missing or some answered ``batch_expired``,
+``completed`` when every id has a result, else ``in_progress``; without a manifest
+the total is what is stored and the status stays ``in_progress``. ``request_counts``
+count only the manifest's ids;
 ``batch_expired`` / ``batch_cancelled`` lines count as failed (as OpenAI counts them).
 ``usage`` sums the records' token counts.
 

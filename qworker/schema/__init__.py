@@ -50,8 +50,8 @@ from qworker.schema.records import (
 
 __all__ = [
     "CANCEL_NAME",
-    "COLLECTED_NAME",
     "CHAT_URL",
+    "COLLECTED_NAME",
     "COMPLETIONS_URL",
     "CONFLICTS_DIR",
     "DEAD_LETTERS_DIR",
