@@ -77,7 +77,7 @@ class CancelWatch:
         """Look up the batches never looked up here (the receipt check)."""
         new = {b for b in batch_ids if b is not None and b not in self._looked
                and b not in self._cancelled}
-        await self._lookup_all(new, min(self.timeout, RECEIPT_TIMEOUT_S))
+        await self._lookup_all(new, min(self.timeout, RECEIPT_TIMEOUT_S), time.monotonic())
 
     async def refresh(self, held: Iterable[str | None], now: float | None = None) -> set[str]:
         """Look again for each ``held`` batch last looked up ``interval`` ago or more.
@@ -92,10 +92,12 @@ class CancelWatch:
                 del self._looked[batch]
         due = {b for b in held_set if b not in self._cancelled
                and now - self._looked.get(b, -self.interval) >= self.interval}
-        await self._lookup_all(due, self.timeout)
+        await self._lookup_all(due, self.timeout, now)
         return {b for b in held_set if b in self._cancelled}
 
-    async def _lookup_all(self, batches: set[str], timeout: float) -> None:
+    async def _lookup_all(self, batches: set[str], timeout: float, now: float) -> None:
+        for batch in batches:
+            self._looked[batch] = now  # done or failed, the next look is an interval away
         if batches:
             await asyncio.gather(*(self._lookup(b, timeout) for b in batches))
 
@@ -112,7 +114,6 @@ class CancelWatch:
     async def _read(self, batch: str, timeout: float) -> bool | None:
         """Whether the marker exists; None when the lookup failed (logged)."""
         self.lookups += 1
-        self._looked[batch] = time.monotonic()
         key = cancel_key(self.prefix, batch)
         try:
             data = await asyncio.wait_for(self.sink.get(key), timeout)
