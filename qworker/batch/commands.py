@@ -99,7 +99,7 @@ def add_parsers(
 def produce_command(args: argparse.Namespace, settings: Any) -> int:
     """``qworker produce``."""
     from qworker.batch.files import open_input
-    from qworker.batch.lifecycle import parse_window
+    from qworker.batch.lifecycle import parse_window, write_failed
     from qworker.batch.manifest import ManifestState, job_items, scan_input, write_manifest
     from qworker.batch.store import open_store
     from qworker.worker.sources import produce
@@ -124,8 +124,7 @@ def produce_command(args: argparse.Namespace, settings: Any) -> int:
             sent = produce(args.to, job_items(f, manifest.batch_id, deadline), settings)
         except BaseException as exc:
             if store is not None:  # `status` says failed instead of validating forever
-                manifest.state, manifest.error = ManifestState.FAILED, f"{exc!r}"[:500]
-                store.put(key_of(store, manifest.batch_id), manifest.to_json())
+                write_failed(store, manifest.batch_id, f"{exc!r}"[:500])
             raise
         if store is not None:
             manifest.state, manifest.sent_at = ManifestState.SENT, int(time.time())
@@ -230,8 +229,9 @@ def cancel_command(args: argparse.Namespace, settings: Any) -> int:
         print(f"cancel: batch {args.batch_id} is cancelling: workers answer its jobs that "
               "have not started batch_cancelled", file=sys.stderr)
     else:
-        print(f"cancel: batch {args.batch_id} was already cancelled (at "
-              f"{marker.cancelling_at}): nothing changed", file=sys.stderr)
-    print(json.dumps({"id": args.batch_id, "cancelling_at": marker.cancelling_at,
+        print(f"cancel: batch {args.batch_id} was already cancelled: nothing changed",
+              file=sys.stderr)
+    print(json.dumps({"id": args.batch_id,
+                      "cancelling_at": marker.cancelling_at if written else None,
                       "already_cancelled": not written}))
     return 0

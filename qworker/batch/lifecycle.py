@@ -6,8 +6,19 @@
       {"object": "qworker.cancel", "batch_id": "batch_...", "cancelling_at": 1764460000}
 
   Workers look for it (qworker/worker/cancel_watch.py); ``status`` reads it.
+- ``<prefix>/<batch>/_failed.json``: written by ``qworker produce`` when sending failed
+  part-way (``status``: ``failed``)::
+
+      {"object": "qworker.failed", "batch_id": "batch_...", "failed_at": 1764460001,
+       "error": "KafkaConnectionError(...)"}
+
 - ``<prefix>/<batch>/_collected.json``: where ``qworker collect`` last wrote the batch
   (``output_file_id`` / ``error_file_id`` of the status object), replaced by each collect.
+
+Who writes what follows the deployment's IAM policies (deploy/terraform/iam.tf): the
+producer writes ``_manifest.json``, ``_failed.json`` and ``_cancel.json`` (it may not
+read the marker back: a second cancel only learns that it exists), the collector reads
+everything and writes ``_collected.json``.
 - ``parse_window``: ``produce --completion-window`` (``24h``, ``90m``, ``30s``, ``2d``).
 """
 
@@ -23,9 +34,10 @@ import orjson
 from qworker.batch.files import is_s3
 from qworker.batch.manifest import read_manifest
 from qworker.batch.store import BatchStore
-from qworker.schema import cancel_key, collected_key
+from qworker.schema import cancel_key, collected_key, failed_key
 
 CANCEL_OBJECT = "qworker.cancel"
+FAILED_OBJECT = "qworker.failed"
 COLLECTED_OBJECT = "qworker.collected"
 _WINDOW = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -73,7 +85,8 @@ def read_cancel(store: BatchStore, batch_id: str) -> CancelMarker | None:
 
 
 def cancel_batch(store: BatchStore, batch_id: str) -> tuple[CancelMarker, bool]:
-    """Write the batch's cancel marker once: ``(marker, True)``, or ``(stored, False)``.
+    """Write the batch's cancel marker once: ``(marker, True)``, or ``(marker, False)``
+    when one was already there (that one is kept; the returned marker is not it).
 
     Refuses (ValueError) a batch without a manifest: a mistyped id would otherwise
     leave a marker that cancels nothing, and ``status`` could never show it ending.
@@ -82,10 +95,38 @@ def cancel_batch(store: BatchStore, batch_id: str) -> tuple[CancelMarker, bool]:
         raise ValueError(f"no batch {batch_id!r} here (no manifest): only a batch sent by "
                          "`qworker produce` can be cancelled")
     marker = CancelMarker(batch_id, int(time.time()))
-    if store.put_new(cancel_key(store.prefix, batch_id), marker.to_json()):
-        return marker, True
-    stored = read_cancel(store, batch_id)
-    return (stored or marker), False
+    return marker, store.put_new(cancel_key(store.prefix, batch_id), marker.to_json())
+
+
+@dataclass(slots=True, frozen=True)
+class FailedMarker:
+    """``produce`` did not finish sending the batch."""
+
+    batch_id: str
+    failed_at: int
+    error: str
+
+
+def write_failed(store: BatchStore, batch_id: str, error: str) -> None:
+    """Record that sending ``batch_id`` failed (replacing an earlier record)."""
+    store.put(failed_key(store.prefix, batch_id), orjson.dumps({
+        "object": FAILED_OBJECT, "batch_id": batch_id, "failed_at": int(time.time()),
+        "error": error}))
+
+
+def read_failed(store: BatchStore, batch_id: str) -> FailedMarker | None:
+    """The batch's failure record, or None when produce did not fail."""
+    data = store.get(failed_key(store.prefix, batch_id))
+    if data is None:
+        return None
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        obj = None
+    obj = obj if isinstance(obj, dict) else {}
+    at = obj.get("failed_at")
+    return FailedMarker(batch_id, int(at) if isinstance(at, int | float) else 0,
+                        str(obj.get("error") or "produce did not finish"))
 
 
 @dataclass(slots=True, frozen=True)

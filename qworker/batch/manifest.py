@@ -5,11 +5,11 @@ Stored as ``<results>/<batch>/_manifest.json`` (docs/formats.md, "Manifest")::
     {"object": "qworker.manifest", "batch_id": "batch_...", "total": 3,
      "input": "requests.jsonl", "created": 1764460000, "endpoint": "/v1/chat/completions",
      "to": "kafka://...", "completion_window": "24h", "expires_at": 1764546400,
-     "state": "sent", "sent_at": 1764460002, "error": null, "custom_ids": ["a", "b", "c"]}
+     "state": "sent", "sent_at": 1764460002, "custom_ids": ["a", "b", "c"]}
 
-``state`` is ``sending`` while produce sends (``status``: ``validating``), ``sent``
-once every job is sent, ``failed`` (with ``error``) when sending failed; a manifest
-without it (an older produce) reads as sent.
+``state`` is ``sending`` while produce sends (``status``: ``validating``) and ``sent``
+once every job is sent; a manifest without it (an older produce) reads as sent. A
+produce that fails part-way writes ``_failed.json`` beside it (qworker/batch/lifecycle.py).
 
 ``scan_input`` is produce's first pass over the input: it refuses duplicate
 ``custom_id``s (as OpenAI does), settles the batch id and collects the ids in order;
@@ -40,7 +40,6 @@ class ManifestState:
 
     SENDING = "sending"
     SENT = "sent"
-    FAILED = "failed"
 
 
 class DuplicateCustomIdError(ValueError):
@@ -68,7 +67,6 @@ class Manifest:
     expires_at: int | None = None
     state: str = ManifestState.SENT
     sent_at: int | None = None
-    error: str | None = None
 
     def to_json(self) -> bytes:
         """The stored form."""
@@ -77,7 +75,7 @@ class Manifest:
             "input": self.input, "created": self.created, "endpoint": self.endpoint,
             "to": self.to, "skipped_lines": self.skipped_lines,
             "completion_window": self.completion_window, "expires_at": self.expires_at,
-            "state": self.state, "sent_at": self.sent_at, "error": self.error,
+            "state": self.state, "sent_at": self.sent_at,
             "custom_ids": self.custom_ids,
         })
 
@@ -95,7 +93,7 @@ class Manifest:
                    completion_window=obj.get("completion_window"),
                    expires_at=_int_or_none(obj.get("expires_at")),
                    state=str(obj.get("state") or ManifestState.SENT),
-                   sent_at=_int_or_none(obj.get("sent_at")), error=obj.get("error"))
+                   sent_at=_int_or_none(obj.get("sent_at")))
 
 
 def _int_or_none(value: Any) -> int | None:

@@ -3,15 +3,16 @@
 The object validates as the openai SDK's ``Batch`` and keeps OpenAI's meanings, plus
 qworker's ``missing_count`` / ``missing`` (custom_ids without a result, first 100, input
 order), ``conflicts`` and ``unexpected`` (results for ids the manifest does not name).
-``status`` (``lifecycle_status``): ``validating`` while produce sends, ``failed`` when
-it did not finish, ``cancelling`` / ``cancelled`` once ``qworker cancel`` wrote the
-marker (results missing / all there), ``expired`` once the completion window
-(``expires_at``) passed with results missing or some answered ``batch_expired``,
-``completed`` when every id has a result, else ``in_progress``; without a manifest
-the total is what is stored and the status stays ``in_progress``. ``request_counts``
-count only the manifest's ids;
-``batch_expired`` / ``batch_cancelled`` lines count as failed (as OpenAI counts them).
-``usage`` sums the records' token counts.
+
+``status`` (``lifecycle_status``), first match wins: ``failed`` when produce could not
+send it all (``_failed.json``); ``validating`` while produce sends; ``cancelling`` /
+``cancelled`` once ``qworker cancel`` wrote the marker (results missing / all there);
+``expired`` once the completion window (``expires_at``) passed with results missing or
+some answered ``batch_expired``; ``completed`` when every id has a result; else
+``in_progress``. Without a manifest the total is what is stored and the status stays
+``in_progress``. ``request_counts`` count only the manifest's ids; ``batch_expired`` /
+``batch_cancelled`` lines count as failed (as OpenAI counts them). ``usage`` sums the
+records' token counts.
 
 Counting means reading each result once. Results never change after they are written
 (the first write wins), so what was read is remembered in a local cache
@@ -30,7 +31,14 @@ from typing import Any
 
 import orjson
 
-from qworker.batch.lifecycle import CancelMarker, Collected, read_cancel, read_collected
+from qworker.batch.lifecycle import (
+    CancelMarker,
+    Collected,
+    FailedMarker,
+    read_cancel,
+    read_collected,
+    read_failed,
+)
 from qworker.batch.listing import BatchListing, scan_batch
 from qworker.batch.manifest import Manifest, ManifestState
 from qworker.batch.store import DEFAULT_WORKERS, BatchStore
@@ -162,21 +170,24 @@ def batch_status(
     # for other ids show in ``unexpected``.
     counted = [k for k in keys if k in listing.present] if listing.manifest else keys
     outcomes = [cache.known[k] for k in counted if k in cache.known]
-    cancel = read_cancel(store, batch_id) if listing.manifest is not None else None
+    has_manifest = listing.manifest is not None
+    cancel = read_cancel(store, batch_id) if has_manifest else None
+    failed_marker = read_failed(store, batch_id) if has_manifest else None
     collected = read_collected(store, batch_id)
-    return _status_object(listing, uri, outcomes, cancel, collected,
+    return _status_object(listing, uri, outcomes, cancel, failed_marker, collected,
                           time.time() if now is None else now)
 
 
 def lifecycle_status(manifest: Manifest | None, missing: int, expired_lines: int,
-                     cancel: CancelMarker | None, now: float) -> str:
+                     cancel: CancelMarker | None, failed: FailedMarker | None,
+                     now: float) -> str:
     """The batch's OpenAI status; see the module docstring for the order of the checks."""
     if manifest is None:
         return "in_progress"
+    if failed is not None:
+        return "failed"
     if manifest.state == ManifestState.SENDING:
         return "validating"
-    if manifest.state == ManifestState.FAILED:
-        return "failed"
     if cancel is not None:
         return "cancelling" if missing else "cancelled"
     past_window = manifest.expires_at is not None and now >= manifest.expires_at
@@ -197,7 +208,7 @@ def _usage(outcomes: list[Outcome]) -> dict[str, Any]:
 
 def _status_object(
     listing: BatchListing, uri: str, outcomes: list[Outcome], cancel: CancelMarker | None,
-    collected: Collected | None, now: float,
+    failed_marker: FailedMarker | None, collected: Collected | None, now: float,
 ) -> dict[str, Any]:
     manifest = listing.manifest
     missing = listing.missing
@@ -205,7 +216,8 @@ def _status_object(
     completed = len(outcomes) - failed
     expired_lines = sum(1 for o in outcomes if o.code == "batch_expired")
     total = manifest.total if manifest is not None else completed + failed
-    status = lifecycle_status(manifest, len(missing), expired_lines, cancel, now)
+    status = lifecycle_status(manifest, len(missing), expired_lines, cancel, failed_marker,
+                              now)
     created = manifest.created if manifest is not None else 0
     # The newest record's time (served bodies carry one); never before the batch began.
     last = max([created, *(o.created for o in outcomes)])
@@ -219,14 +231,13 @@ def _status_object(
         "expired_at": (manifest.expires_at or last)
         if manifest is not None and status == "expired" else None,
         "completed_at": last if status == "completed" else None,
-        "failed_at": (manifest.sent_at or created)
-        if manifest is not None and status == "failed" else None,
+        "failed_at": failed_marker.failed_at if failed_marker is not None else None,
     }
     errors = None
-    if manifest is not None and status == "failed":
+    if failed_marker is not None:
         errors = {"object": "list", "data": [{
-            "code": "produce_failed", "message": manifest.error or "produce did not finish",
-            "line": None, "param": None}]}
+            "code": "produce_failed", "message": failed_marker.error, "line": None,
+            "param": None}]}
     return {
         "id": listing.batch_id,
         "object": "batch",

@@ -19,6 +19,7 @@ _SAFE = re.compile(rb"[A-Za-z0-9._-]")
 MANIFEST_NAME = "_manifest.json"
 CANCEL_NAME = "_cancel.json"
 COLLECTED_NAME = "_collected.json"
+FAILED_NAME = "_failed.json"
 CONFLICTS_DIR = "_conflicts"
 DEAD_LETTERS_DIR = "_dead_letters"
 
@@ -68,6 +69,11 @@ def cancel_key(prefix: str, batch_id: str | None) -> str:
 def collected_key(prefix: str, batch_id: str | None) -> str:
     """``<prefix>/<batch>/_collected.json``: where ``qworker collect`` last wrote the batch."""
     return batch_folder(prefix, batch_id) + COLLECTED_NAME
+
+
+def failed_key(prefix: str, batch_id: str | None) -> str:
+    """``<prefix>/<batch>/_failed.json``: ``qworker produce`` could not send the batch."""
+    return batch_folder(prefix, batch_id) + FAILED_NAME
 
 
 def conflict_key(prefix: str, batch_id: str | None, custom_id: str, fingerprint: str) -> str:

@@ -119,7 +119,7 @@ def test_cancel_writes_the_marker_once_and_status_goes_cancelling_then_cancelled
 
     assert main(["cancel", "--from", results, "--batch-id", batch]) == 0
     out, err = capsys.readouterr()
-    assert json.loads(out) == {**first, "already_cancelled": True}
+    assert json.loads(out)["already_cancelled"] is True
     assert "already cancelled" in err and "nothing changed" in err
     assert json.loads(get(cancel_key(prefix, batch)) or b"null") == marker
 

@@ -53,10 +53,8 @@ BATCH = "nightly-iam"
 PENDING = {
     ("producer", "WriteBatchMarkers", "s3:PutObject",
      "arn:aws:s3:::{bucket}/results/*/_failed.json"):
-        "issue 20: produce marks a batch it could not finish",
-    ("producer", "WriteBatchMarkers", "s3:PutObject",
-     "arn:aws:s3:::{bucket}/results/*/_cancel.json"):
-        "issue 20: qworker cancel writes the marker",
+        "issue 20: produce marks a batch it could not finish (no test fails a produce "
+        "into S3 yet)",
 }
 
 
