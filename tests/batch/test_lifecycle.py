@@ -249,3 +249,27 @@ def test_a_produce_that_fails_while_sending_reads_as_failed(
     status = _status(capsys, results, "b1")
     assert status["status"] == "failed" and status["failed_at"] is not None
     assert status["errors"]["data"][0]["code"] == "produce_failed"
+
+
+def test_usage_is_read_from_chat_responses_and_embeddings_bodies() -> None:
+    from qworker.batch.status import _usage, outcome_of
+
+    def line(body: dict[str, Any]) -> bytes:
+        return dumps({"id": "batch_req_x", "custom_id": "x", "response": {
+            "status_code": 200, "request_id": "req_x", "body": body}, "error": None})
+
+    chat = outcome_of(line({"object": "chat.completion", "created": 5, "usage": {
+        "prompt_tokens": 10, "completion_tokens": 4, "total_tokens": 14,
+        "prompt_tokens_details": {"cached_tokens": 8}}}))
+    responses = outcome_of(line({"object": "response", "created_at": 7, "usage": {
+        "input_tokens": 6, "output_tokens": 3, "total_tokens": 9,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": 2}}}))
+    embeddings = outcome_of(line({"object": "list", "usage": {
+        "prompt_tokens": 5, "total_tokens": 5}}))
+    failed = outcome_of(dumps(error_record("y", None, "batch_cancelled", "cancelled")))
+    assert (chat.created, responses.created, failed.code) == (5, 7, "batch_cancelled")
+    assert _usage([chat, responses, embeddings, failed]) == {
+        "input_tokens": 21, "input_tokens_details": {"cached_tokens": 8},
+        "output_tokens": 7, "output_tokens_details": {"reasoning_tokens": 2},
+        "total_tokens": 28}

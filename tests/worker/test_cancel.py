@@ -225,3 +225,29 @@ def test_sqs_worker_to_s3_cancelled_mid_run_through_the_cli(
     assert status["request_counts"] == {"total": 12, "completed": a.count("ok"),
                                         "failed": a.count("batch_cancelled")}
     assert _status(sink, "B", capsys)["status"] == "completed"
+
+
+def test_a_short_completion_window_expires_the_jobs_and_the_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    from qworker.cli import main
+    from qworker.worker.sources.file import FileSource
+    from tests.worker.jobs import write_spool
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    requests = write_spool(tmp_path / "in.jsonl", _jobs("E", 3))
+    spool = tmp_path / "spool.jsonl"
+    assert main(["produce", "-i", str(requests), "--to", f"file://{spool}", "--batch-id", "E",
+                 "--results", f"file://{out}", "--completion-window", "1s"]) == 0
+    time.sleep(1.2)
+    worker = Worker(settings(tmp_path, f"file://{spool}"), EchoEngine(), FileSource(spool),
+                    FileSink(out))
+    asyncio.run(asyncio.wait_for(worker.run(), 30))
+    results = read_results(out)
+    assert {cid: _outcome(r) for cid, r in results.items()} == {
+        f"E-{i}": "batch_expired" for i in range(3)}
+    assert all(validate_line(r) == "expired" for r in results.values())
+    status = _status(f"file://{out}", "E", capsys)
+    assert status["status"] == "expired" and status["expired_at"] == status["expires_at"]
+    assert status["request_counts"] == {"total": 3, "completed": 0, "failed": 3}
