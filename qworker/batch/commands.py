@@ -102,6 +102,7 @@ def produce_command(args: argparse.Namespace, settings: Any) -> int:
     from qworker.batch.lifecycle import parse_window, write_failed
     from qworker.batch.manifest import ManifestState, job_items, scan_input, write_manifest
     from qworker.batch.store import open_store
+    from qworker.schema import manifest_key
     from qworker.worker.sources import produce
 
     window = parse_window(args.completion_window)
@@ -128,20 +129,13 @@ def produce_command(args: argparse.Namespace, settings: Any) -> int:
             raise
         if store is not None:
             manifest.state, manifest.sent_at = ManifestState.SENT, int(time.time())
-            store.put(key_of(store, manifest.batch_id), manifest.to_json())
+            store.put(manifest_key(store.prefix, manifest.batch_id), manifest.to_json())
     skipped = (f" ({manifest.skipped_lines} lines without a custom_id go to the dead-letter "
                "target)") if manifest.skipped_lines else ""
     print(f"produce: sent {sent} jobs of batch {manifest.batch_id} to {args.to}{skipped}",
           file=sys.stderr)
     print(manifest.batch_id)
     return 0
-
-
-def key_of(store: Any, batch_id: str) -> str:
-    """The manifest's key in ``store``."""
-    from qworker.schema import manifest_key
-
-    return manifest_key(store.prefix, batch_id)
 
 
 def status_command(args: argparse.Namespace, settings: Any) -> int:

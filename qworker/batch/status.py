@@ -184,8 +184,8 @@ def lifecycle_status(manifest: Manifest | None, missing: int, expired_lines: int
     """The batch's OpenAI status; see the module docstring for the order of the checks."""
     if manifest is None:
         return "in_progress"
-    if failed is not None:
-        return "failed"
+    if failed is not None and (manifest.sent_at is None or failed.failed_at > manifest.sent_at):
+        return "failed"  # a later produce of the same file that finished supersedes it
     if manifest.state == ManifestState.SENDING:
         return "validating"
     if cancel is not None:
@@ -231,10 +231,11 @@ def _status_object(
         "expired_at": (manifest.expires_at or last)
         if manifest is not None and status == "expired" else None,
         "completed_at": last if status == "completed" else None,
-        "failed_at": failed_marker.failed_at if failed_marker is not None else None,
+        "failed_at": failed_marker.failed_at
+        if failed_marker is not None and status == "failed" else None,
     }
     errors = None
-    if failed_marker is not None:
+    if failed_marker is not None and status == "failed":
         errors = {"object": "list", "data": [{
             "code": "produce_failed", "message": failed_marker.error, "line": None,
             "param": None}]}

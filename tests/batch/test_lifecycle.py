@@ -249,6 +249,13 @@ def test_a_produce_that_fails_while_sending_reads_as_failed(
     status = _status(capsys, results, "b1")
     assert status["status"] == "failed" and status["failed_at"] is not None
     assert status["errors"]["data"][0]["code"] == "produce_failed"
+    assert "Error" in status["errors"]["data"][0]["message"]
+
+    time.sleep(1.05)  # the same file sent again, and this time all of it: no longer failed
+    assert main(["produce", "-i", str(spool), "--to", f"file://{tmp_path}/spool.jsonl",
+                 "--results", results, "--batch-id", "b1"]) == 0
+    status = _status(capsys, results, "b1")
+    assert status["status"] == "in_progress" and status["errors"] is None
 
 
 def test_usage_is_read_from_chat_responses_and_embeddings_bodies() -> None:
