@@ -280,3 +280,28 @@ def test_usage_is_read_from_chat_responses_and_embeddings_bodies() -> None:
         "input_tokens": 21, "input_tokens_details": {"cached_tokens": 8},
         "output_tokens": 7, "output_tokens_details": {"reasoning_tokens": 2},
         "total_tokens": 28}
+
+
+def test_lifecycle_status_checks_in_order() -> None:
+    from qworker.batch.lifecycle import CancelMarker, FailedMarker
+    from qworker.batch.manifest import Manifest, ManifestState
+    from qworker.batch.status import lifecycle_status
+
+    def manifest(state: str = ManifestState.SENT, sent_at: int | None = 100) -> Manifest:
+        return Manifest("b", 2, "in", 90, ["x", "y"], expires_at=200, state=state,
+                        sent_at=sent_at)
+
+    cancel, failed = CancelMarker("b", 150), FailedMarker("b", 120, "boom")
+    assert lifecycle_status(None, 1, 0, None, None, 999) == "in_progress"
+    assert lifecycle_status(manifest(sent_at=None), 2, 0, None, failed, 130) == "failed"
+    assert lifecycle_status(manifest(), 2, 0, None, failed, 130) == "failed"  # newer than sent
+    assert lifecycle_status(manifest(sent_at=125), 2, 0, None, failed, 130) == "in_progress"
+    assert lifecycle_status(manifest(ManifestState.SENDING, None), 2, 0, None, None,
+                            95) == "validating"
+    assert lifecycle_status(manifest(), 1, 0, cancel, None, 999) == "cancelling"
+    assert lifecycle_status(manifest(), 0, 1, cancel, None, 999) == "cancelled"
+    assert lifecycle_status(manifest(), 1, 0, None, None, 150) == "in_progress"
+    assert lifecycle_status(manifest(), 1, 0, None, None, 200) == "expired"
+    assert lifecycle_status(manifest(), 0, 1, None, None, 150) == "completed"
+    assert lifecycle_status(manifest(), 0, 1, None, None, 250) == "expired"
+    assert lifecycle_status(manifest(), 0, 0, None, None, 250) == "completed"
