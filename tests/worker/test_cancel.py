@@ -173,9 +173,9 @@ def test_sqs_worker_to_s3_cancelled_mid_run_through_the_cli(
 
     url = sqs_queue().url
     sink = f"s3://{s3_bucket}/out"
-    # Jobs run in waves of a few (a small KV pool), ~1 s each: a cancel right after the
-    # first results of A finds A's next wave generating and the rest not started.
-    env = {**aws_env, "QWORKER_MODEL": "echo://?delay_ms=100&steps=10&num_kv_blocks=8",
+    # At most 6 jobs in the worker, ~1.5 s each in the engine: a cancel just after the
+    # worker took its first jobs of A finds them generating and the rest not started.
+    env = {**aws_env, "QWORKER_MODEL": "echo://?delay_ms=100&steps=15&num_kv_blocks=8",
            "QWORKER_METRICS_PORT": "0", "QWORKER_SPOT_METADATA_URL": "",
            "QWORKER_CANCEL_CHECK_SECONDS": "0.5", "QWORKER_MAX_INFLIGHT_JOBS": "6",
            "XDG_CACHE_HOME": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
@@ -199,10 +199,21 @@ def test_sqs_worker_to_s3_cancelled_mid_run_through_the_cli(
 
     cmd = [sys.executable, "-m", "qworker", "run", "--source", f"sqs://{url}", "--sink", sink,
            "--until-idle", "1"]
+    sqs = boto_client("sqs", moto_server)
+
+    def in_flight() -> int:
+        attrs = sqs.get_queue_attributes(
+            QueueUrl=url, AttributeNames=["ApproximateNumberOfMessagesNotVisible"])
+        return int(attrs["Attributes"]["ApproximateNumberOfMessagesNotVisible"])
+
     with running(cmd, env, tmp_path / "worker.log") as proc:
         deadline = time.monotonic() + 60
-        while not stored("A") and time.monotonic() < deadline:
+        while not in_flight() and time.monotonic() < deadline:
             time.sleep(0.05)
+        # A's first jobs are received: give them time to reach the engine (where they
+        # generate for ~1.5 s), then cancel while they run
+        time.sleep(0.4)
+        assert not stored("A")
         assert main(["cancel", "--from", sink, "--batch-id", "A"]) == 0
         status = _status(sink, "A", capsys)
         assert status["status"] == "cancelling" and status["cancelling_at"]
