@@ -13,7 +13,8 @@ Lookups run through ``Sink.get`` (the S3 sink's thread pool, a thread for the fi
 sink), never on the event loop, each bounded by ``timeout``. A failed lookup is not
 fatal and not a cancellation: it is logged and tried again next round. A marker never
 goes away, so a cancelled batch stays cancelled: those are remembered in a bounded
-LRU (``max_known``); batches seen not cancelled are remembered only while held.
+LRU (``max_known``); when other batches were last looked up is remembered while they
+are held or for one ``interval``, so each batch costs at most one lookup per interval.
 Jobs without a ``batch_id`` (the ``default`` batch) are never looked up: ``cancel``
 needs a produced batch. Event loop only.
 
@@ -73,27 +74,33 @@ class CancelWatch:
         self._cancelled.move_to_end(batch_id)
         return True
 
-    async def lookup_new(self, batch_ids: Iterable[str | None]) -> None:
-        """Look up the batches never looked up here (the receipt check)."""
-        new = {b for b in batch_ids if b is not None and b not in self._looked
-               and b not in self._cancelled}
-        await self._lookup_all(new, min(self.timeout, RECEIPT_TIMEOUT_S), time.monotonic())
+    async def lookup_new(self, batch_ids: Iterable[str | None],
+                         now: float | None = None) -> None:
+        """Look up the batches not looked up here within ``interval`` (the receipt check)."""
+        now = time.monotonic() if now is None else now
+        new = {b for b in batch_ids if b is not None and self._due(b, now)}
+        await self._lookup_all(new, min(self.timeout, RECEIPT_TIMEOUT_S), now)
 
     async def refresh(self, held: Iterable[str | None], now: float | None = None) -> set[str]:
         """Look again for each ``held`` batch last looked up ``interval`` ago or more.
 
-        Returns the held batches known cancelled (newly or before). Batches no longer
-        held are forgotten (the cancelled ones stay in the LRU).
+        Returns the held batches known cancelled (newly or before). Batches neither held
+        nor looked up within ``interval`` are forgotten (the cancelled ones stay in the
+        LRU), so a batch is looked up at most once per ``interval`` however its jobs come.
         """
         now = time.monotonic() if now is None else now
         held_set = {b for b in held if b is not None}
-        for batch in list(self._looked):
-            if batch not in held_set:
+        for batch, at in list(self._looked.items()):
+            if batch not in held_set and now - at >= self.interval:
                 del self._looked[batch]
-        due = {b for b in held_set if b not in self._cancelled
-               and now - self._looked.get(b, -self.interval) >= self.interval}
-        await self._lookup_all(due, self.timeout, now)
+        await self._lookup_all({b for b in held_set if self._due(b, now)}, self.timeout, now)
         return {b for b in held_set if b in self._cancelled}
+
+    def _due(self, batch: str, now: float) -> bool:
+        if batch in self._cancelled:
+            return False  # a marker never goes away
+        at = self._looked.get(batch)
+        return at is None or now - at >= self.interval
 
     async def _lookup_all(self, batches: set[str], timeout: float, now: float) -> None:
         for batch in batches:

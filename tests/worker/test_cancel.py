@@ -131,8 +131,15 @@ def test_marker_lookups_are_spaced_by_the_interval_and_failures_are_retried(
         assert sink.reads == 3  # A again, B for the first time
         assert await watch.refresh({"A"}, now=200.0) == {"A"}  # cancelled stays: no read
         assert sink.reads == 3
-        await watch.lookup_new(["C", "D", None])
+        await watch.lookup_new(["C", "D", None], now=200.0)
         assert sink.reads == 5
+        # C is not held but was looked up recently: a job of it arriving now costs no
+        # lookup; one interval later it does
+        assert await watch.refresh({"A"}, now=203.0) == {"A"}
+        await watch.lookup_new(["C"], now=205.0)
+        assert sink.reads == 5
+        await watch.lookup_new(["C", "D"], now=211.0)
+        assert sink.reads == 7
 
     asyncio.run(scenario())
     assert watch.is_cancelled("A") and not watch.is_cancelled("B")
