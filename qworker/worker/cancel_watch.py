@@ -3,15 +3,16 @@
 ``qworker cancel`` writes ``<prefix>/<batch>/_cancel.json`` once (docs/formats.md,
 "Batch lifecycle"). A worker learns of it two ways:
 
-- on receipt: before a prepared job goes to the admission gate, a batch never looked
-  up here is looked up (``lookup_new``), so a job sent after its batch was cancelled
-  is answered ``batch_cancelled`` without running;
+- on receipt: before a prepared job goes to the admission gate, its batch is looked up
+  unless that was done within the interval (``lookup_new``), so a job sent after its
+  batch was cancelled is answered ``batch_cancelled`` without running;
 - while it holds a batch's jobs: ``refresh`` looks again for each held batch at most
   every ``interval`` seconds (``QWORKER_CANCEL_CHECK_SECONDS``).
 
 Lookups run through ``Sink.get`` (the S3 sink's thread pool, a thread for the file
 sink), never on the event loop, each bounded by ``timeout``. A failed lookup is not
-fatal and not a cancellation: it is logged and tried again next round. A marker never
+fatal and not a cancellation: it is logged and the batch is looked up again in the next
+regular round (no retry loop of its own: a missed marker is only news delayed). A marker never
 goes away, so a cancelled batch stays cancelled: those are remembered in a bounded
 LRU (``max_known``); when other batches were last looked up is remembered while they
 are held or for one ``interval``, so each batch costs at most one lookup per interval.
@@ -22,7 +23,8 @@ What "not started" means: a job not yet submitted to the engine (waiting at the
 admission gate, ``READY``, or back from a failed step, ``SUSPECT`` / ``DEFERRED``) is
 answered ``batch_cancelled`` (``answer_waiting``); a job inside the engine, scheduled
 or still queued there, runs to its normal end. ``watch_held`` is the worker's helper
-task that does both rounds.
+task: the periodic rounds, and answering the waiting jobs of the batches they find
+cancelled; the preparer answers the jobs it prepares (qworker/worker/preparing.py).
 """
 
 from __future__ import annotations
