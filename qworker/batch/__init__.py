@@ -1,5 +1,4 @@
-"""A batch's life outside the worker: produce it, watch it, cancel it, collect it
-(docs/formats.md).
+"""A batch's life outside the worker: produce, watch, cancel, collect (docs/formats.md).
 
 - ``files``: read and write ``-i``/``-o`` files, local or ``s3://bucket/key``;
 - ``manifest``: what ``qworker produce`` sent (total, input, custom_ids in input order),
