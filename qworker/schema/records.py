@@ -80,8 +80,7 @@ def error_record(
     """The output line of a job that could not be served, shaped by ``code`` (see module).
 
     Request-error codes give a 400 response, ``batch_expired`` / ``batch_cancelled`` a
-    top-level error, any other
-    code (``engine_error``) a 500 ``server_error`` response.
+    top-level error, any other code (``engine_error``) a 500 ``server_error`` response.
     """
     record: dict[str, Any] = {
         "id": f"batch_req_{new_id()}",

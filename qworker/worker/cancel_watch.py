@@ -172,12 +172,21 @@ async def watch_held(watch: CancelWatch, table: JobTable,
         await asyncio.sleep(tick)
         if paused():
             continue
-        held = {job.batch_id for job in table if job.batch_id is not None}
-        if not held:
-            continue
-        cancelled = await watch.refresh(held)
-        if cancelled and not paused():
-            answered = answer_waiting(table, cancelled, answer)
-            if answered:
-                log.info("%d waiting jobs of cancelled batches %s answered batch_cancelled",
-                         answered, sorted(cancelled))
+        try:
+            await _round(watch, table, answer, paused)
+        except Exception:  # a bug here must not end the watch (or the worker)
+            log.exception("cancel watch round failed; trying again next round")
+
+
+async def _round(watch: CancelWatch, table: JobTable,
+                 answer: Callable[[Job, BaseException], None],
+                 paused: Callable[[], bool]) -> None:
+    held = {job.batch_id for job in table if job.batch_id is not None}
+    if not held:
+        return
+    cancelled = await watch.refresh(held)
+    if cancelled and not paused():
+        answered = answer_waiting(table, cancelled, answer)
+        if answered:
+            log.info("%d waiting jobs of cancelled batches %s answered batch_cancelled",
+                     answered, sorted(cancelled))

@@ -65,7 +65,7 @@ class Preparer:
         loop = asyncio.get_running_loop()
         outcomes = await loop.run_in_executor(self.pool, self.prepare_all,
                                               [job.msg for job in jobs])
-        if self.cancels is not None:  # a batch first seen here: is it cancelled already?
+        if self.cancels is not None:  # a batch not looked up lately: cancelled already?
             await self.cancels.lookup_new(o.job.batch_id for o in outcomes
                                           if isinstance(o, Prepared))
         for job, outcome in zip(jobs, outcomes, strict=True):
