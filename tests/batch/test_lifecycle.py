@@ -305,3 +305,19 @@ def test_lifecycle_status_checks_in_order() -> None:
     assert lifecycle_status(manifest(), 0, 1, None, None, 150) == "completed"
     assert lifecycle_status(manifest(), 0, 1, None, None, 250) == "expired"
     assert lifecycle_status(manifest(), 0, 0, None, None, 250) == "completed"
+
+
+def test_a_batch_still_being_sent_reads_validating(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from qworker.batch.manifest import Manifest, ManifestState, write_manifest
+    from qworker.batch.store import DirStore
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    root = tmp_path / "results"
+    write_manifest(DirStore(root), Manifest("v1", 2, "in.jsonl", int(time.time()), ["a", "b"],
+                                            endpoint="/v1/embeddings",
+                                            state=ManifestState.SENDING))
+    status = _status(capsys, f"file://{root}", "v1")
+    assert status["status"] == "validating" and status["in_progress_at"] is None
+    assert status["endpoint"] == "/v1/embeddings"
