@@ -48,7 +48,8 @@ def add_parsers(
     prod.add_argument("--completion-window", default="24h", metavar="DURATION",
                       help="stamp each job's deadline (unless it has an earlier one) this "
                       "long from now, and the manifest's expires_at: 24h (default), 90m, "
-                      "30s, 2d (OpenAI accepts only 24h; qworker any duration)")
+                      "30s, 2d (OpenAI accepts only 24h; qworker any duration), or none "
+                      "(lines sent as they are; the batch never expires)")
     prod.add_argument("--allow-mixed", action="store_true",
                       help="send a file whose lines name different urls as one batch "
                       "(its endpoint is then 'mixed'); refused by default, as OpenAI does")
@@ -106,12 +107,12 @@ def produce_command(args: argparse.Namespace, settings: Any) -> int:
     from qworker.worker.sources import produce
 
     window = parse_window(args.completion_window)
-    deadline = int(time.time()) + window
+    deadline = int(time.time()) + window if window is not None else None
     with open_input(args.input, settings) as f:
         manifest = scan_input(f, args.batch_id, args.input, settings.max_job_bytes,
                               allow_mixed=args.allow_mixed, deadline=deadline)
         manifest.to = args.to
-        manifest.completion_window = args.completion_window.strip()
+        manifest.completion_window = args.completion_window.strip().lower()
         manifest.expires_at = deadline
         store = None
         if not args.no_manifest:

@@ -19,7 +19,8 @@ Who writes what follows the deployment's IAM policies (deploy/terraform/iam.tf):
 producer writes ``_manifest.json``, ``_failed.json`` and ``_cancel.json`` (it may not
 read the marker back: a second cancel only learns that it exists), the collector reads
 everything and writes ``_collected.json``.
-- ``parse_window``: ``produce --completion-window`` (``24h``, ``90m``, ``30s``, ``2d``).
+- ``parse_window``: ``produce --completion-window`` (``24h``, ``90m``, ``30s``, ``2d``,
+  or ``none``: jobs are sent without a stamped deadline).
 """
 
 from __future__ import annotations
@@ -43,12 +44,19 @@ _WINDOW = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
-def parse_window(text: str) -> int:
-    """Seconds of a completion window written ``<number><s|m|h|d>`` (``24h``); ValueError."""
+#: ``--completion-window none``: no deadline stamped, the batch never expires.
+NO_WINDOW = "none"
+
+
+def parse_window(text: str) -> int | None:
+    """Seconds of a completion window written ``<number><s|m|h|d>`` (``24h``), or None for
+    ``none``; ValueError for anything else."""
+    if text.strip().lower() == NO_WINDOW:
+        return None
     match = _WINDOW.match(text)
     if not match:
         raise ValueError(f"--completion-window {text!r} must be a duration such as 24h, "
-                         "90m or 30s")
+                         "90m or 30s, or none")
     seconds = int(float(match.group(1)) * _UNIT_SECONDS[match.group(2)])
     if seconds <= 0:
         raise ValueError(f"--completion-window {text!r} must be longer than 0 seconds")

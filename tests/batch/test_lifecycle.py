@@ -321,3 +321,21 @@ def test_a_batch_still_being_sent_reads_validating(
     status = _status(capsys, f"file://{root}", "v1")
     assert status["status"] == "validating" and status["in_progress_at"] is None
     assert status["endpoint"] == "/v1/embeddings"
+
+
+def test_completion_window_none_sends_lines_unstamped_and_a_bad_one_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    results = f"file://{tmp_path}/results"
+    batch = _produce(tmp_path, results, "--completion-window", "none", capsys=capsys)
+    sent = [json.loads(x) for x in (tmp_path / "spool.jsonl").read_text().splitlines()]
+    assert all("deadline" not in job for job in sent)
+    status = _status(capsys, results, batch)
+    assert status["completion_window"] == "none" and status["expires_at"] is None
+
+    spool = write_spool(tmp_path / "in2.jsonl", [completion_job("z")])
+    assert main(["produce", "-i", str(spool), "--to", f"file://{tmp_path}/s2.jsonl",
+                 "--results", results, "--completion-window", "tomorrow"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "must be a duration such as 24h" in err
