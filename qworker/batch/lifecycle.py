@@ -14,13 +14,13 @@
 
 - ``<prefix>/<batch>/_collected.json``: where ``qworker collect`` last wrote the batch
   (``output_file_id`` / ``error_file_id`` of the status object), replaced by each collect.
+- ``parse_window``: ``produce --completion-window`` (``24h``, ``90m``, ``30s``, ``2d``,
+  or ``none``: jobs are sent without a stamped deadline).
 
 Who writes what follows the deployment's IAM policies (deploy/terraform/iam.tf): the
 producer writes ``_manifest.json``, ``_failed.json`` and ``_cancel.json`` (it may not
 read the marker back: a second cancel only learns that it exists), the collector reads
 everything and writes ``_collected.json``.
-- ``parse_window``: ``produce --completion-window`` (``24h``, ``90m``, ``30s``, ``2d``,
-  or ``none``: jobs are sent without a stamped deadline).
 """
 
 from __future__ import annotations
@@ -42,8 +42,6 @@ FAILED_OBJECT = "qworker.failed"
 COLLECTED_OBJECT = "qworker.collected"
 _WINDOW = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
 #: ``--completion-window none``: no deadline stamped, the batch never expires.
 NO_WINDOW = "none"
 
