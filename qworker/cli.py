@@ -46,6 +46,7 @@ from qworker.batch.commands import (  # noqa: E402
     add_parsers as add_batch_parsers,
 )
 from qworker.batch.commands import (  # noqa: E402
+    cancel_command,
     collect_command,
     produce_command,
     status_command,
@@ -190,7 +191,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_settings_error(exc), file=sys.stderr)
         return 1
     handler = {"run": _run, "generate": _generate, "produce": produce_command,
-               "status": status_command, "collect": collect_command, "docs": _docs}
+               "status": status_command, "collect": collect_command, "cancel": cancel_command,
+               "docs": _docs}
     try:
         return handler[args.command](args, settings)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:

@@ -114,6 +114,10 @@ class WorkerSettings(EngineSettings):  # type: ignore[misc, valid-type]
     max_job_attempts: int = Field(
         3, description="engine failures of one job, run alone, before it gets engine_error"
     )
+    cancel_check_seconds: float = Field(
+        15.0, gt=0, description="how often a worker looks for the cancel marker of each "
+        "batch it holds jobs of (`qworker cancel`)",
+    )
     s3_endpoint_url: str | None = Field(None, description="S3 endpoint (local server in tests)")
     sqs_endpoint_url: str | None = Field(None, description="SQS endpoint (local server in tests)")
     aws_region: str = Field("us-east-1", description="AWS region for boto3")

@@ -43,6 +43,13 @@ class BatchExpiredError(QworkerError):
     code = "batch_expired"
 
 
+class BatchCancelledError(QworkerError):
+    """The job's batch was cancelled (``qworker cancel``) before the job started
+    generating (``batch_cancelled``)."""
+
+    code = "batch_cancelled"
+
+
 class EngineError(QworkerError):
     """The engine failed while serving an otherwise valid job (``engine_error``)."""
 

@@ -20,14 +20,19 @@ from qworker.schema.jobs import (
     parse_job,
 )
 from qworker.schema.keys import (
+    CANCEL_NAME,
+    COLLECTED_NAME,
     CONFLICTS_DIR,
     DEAD_LETTERS_DIR,
     DEFAULT_BATCH,
     MANIFEST_NAME,
     MAX_SAFE_BYTES,
     batch_folder,
+    cancel_key,
+    collected_key,
     conflict_key,
     dead_letter_key,
+    failed_key,
     manifest_key,
     result_key,
     safe_segment,
@@ -46,7 +51,9 @@ from qworker.schema.records import (
 )
 
 __all__ = [
+    "CANCEL_NAME",
     "CHAT_URL",
+    "COLLECTED_NAME",
     "COMPLETIONS_URL",
     "CONFLICTS_DIR",
     "DEAD_LETTERS_DIR",
@@ -60,6 +67,8 @@ __all__ = [
     "JobKind",
     "ParsedJob",
     "batch_folder",
+    "cancel_key",
+    "collected_key",
     "conflict_key",
     "conflict_record",
     "dead_letter_key",
@@ -67,6 +76,7 @@ __all__ = [
     "error_of",
     "error_record",
     "error_record_for",
+    "failed_key",
     "is_error_record",
     "manifest_key",
     "new_id",

@@ -10,7 +10,8 @@ Every job ends in exactly one line, shaped as OpenAI's batch output shapes it:
   ``body.error {message, type: "invalid_request_error", param, code}``, with
   ``"error": null``;
 - an engine failure (``engine_error``): the same with 500 and ``"server_error"``;
-- ``batch_expired``: ``"response": null`` and ``"error": {code, message}``.
+- ``batch_expired`` / ``batch_cancelled``: ``"response": null`` and ``"error": {code,
+  message}``.
 
 ``error_record`` / ``error_record_for`` pick the shape from the code, ``conflict_record``
 builds the ``duplicate_custom_id`` line of a conflict; ``error_of`` and
@@ -43,7 +44,7 @@ REQUEST_ERROR_CODES = frozenset(
 #: The HTTP status OpenAI answers these request errors with (docs/formats.md, "Error lines").
 REQUEST_ERROR_STATUS = {"model_not_found": 404}
 #: Codes written as ``"response": null`` with a top-level ``error`` (never reached the model).
-BATCH_ERROR_CODES = frozenset({"batch_expired"})
+BATCH_ERROR_CODES = frozenset({"batch_expired", "batch_cancelled"})
 #: What OpenAI reports as a token's log-probability when it has none.
 MISSING_LOGPROB = -9999.0
 _PARAM = re.compile(r"^body\.([A-Za-z_][A-Za-z0-9_]*(?:\[\d+\]|\.[A-Za-z_][A-Za-z0-9_]*)*)")
@@ -85,8 +86,8 @@ def error_record(
 ) -> dict[str, Any]:
     """The output line of a job that could not be served, shaped by ``code`` (see module).
 
-    Request-error codes give a 400 response, ``batch_expired`` a top-level error, any other
-    code (``engine_error``) a 500 ``server_error`` response.
+    Request-error codes give a 400 response, ``batch_expired`` / ``batch_cancelled`` a
+    top-level error, any other code (``engine_error``) a 500 ``server_error`` response.
     """
     record: dict[str, Any] = {
         "id": f"batch_req_{new_id()}",

@@ -5,7 +5,8 @@ states and transitions are) and ends through ``settle`` (qworker/worker/settle.p
 the only caller of the source's ack / abandon / dead-letter). This module routes the
 events that move jobs: messages received (prepared on a thread pool), the gate
 admitting ready jobs (``Gate``), engine outputs and failed steps (``StepFailures``),
-revocations, deadlines, the spot notice and the drain (``drain_budget``).
+revocations, deadlines, cancelled batches (``CancelWatch``), the spot notice and the
+drain (``drain_budget``).
 
 Failures (docs/operations.md): a failing source, sink or dead-letter target is retried
 by its ``Retrier`` for its outage budget, then the worker stops with exit 69; a failed
@@ -30,6 +31,7 @@ from qworker.config import WorkerSettings
 from qworker.engine.outputs import RequestOutput
 from qworker.errors import BatchExpiredError, EngineError
 from qworker.worker.admission import Admission
+from qworker.worker.cancel_watch import CancelWatch, watch_held
 from qworker.worker.dead_letters import DeadLetters
 from qworker.worker.drain import DrainControl, DrainReason, drain_budget
 from qworker.worker.drain_phases import drain_phases
@@ -114,9 +116,11 @@ class Worker:
         self.settler = Settler(self.table, source, self.writer, self.dead_letters,
                                self.metrics, self.summary, self.tasks, self._pool,
                                engine.model_name, token_decoder(engine), self._progress.set)
+        self.cancels = CancelWatch(sink, sink_prefix, settings.cancel_check_seconds)
         self.preparer = Preparer(engine, settings.max_job_bytes, self._pool, self.table,
                                  self.settler, self._admit,
-                                 ServedModels.from_settings(settings, engine.model_name))
+                                 ServedModels.from_settings(settings, engine.model_name),
+                                 self.cancels)
         self.failures = StepFailures(self.table, settings.max_job_attempts)
         self.idle = IdleCheck(source, self.source_retrier)
         self._kv_usage = 0.0
@@ -168,6 +172,9 @@ class Worker:
         self._thread.start()
         helpers = [asyncio.create_task(self._stats_loop()),
                    asyncio.create_task(self._deadline_loop()),
+                   asyncio.create_task(watch_held(self.cancels, self.table,
+                                                  self.settler.answer_error,
+                                                  self.drain.draining.is_set)),
                    asyncio.create_task(watchdog(self._thread, self.settings.engine_step_timeout,
                                                 self._on_engine_failure))]
         if self.settings.spot_metadata_url:

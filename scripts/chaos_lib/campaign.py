@@ -303,8 +303,10 @@ class Campaign:
             results = ["--no-manifest"]
         env["QWORKER_S3_ENDPOINT_URL"] = self.cfg.moto_url or (self.moto.url if self.moto
                                                                 else "")
+        # the campaign mixes chat and completion jobs in one batch on purpose
         _qworker(["produce", "-i", str(path), "--to", self.source_uri,
-                  "--batch-id", self.batch_id, *results], env, self.dir / "produce.log")
+                  "--batch-id", self.batch_id, "--allow-mixed", *results], env,
+                 self.dir / "produce.log")
 
     def _trickle_produce(self, chunks: list[list[dict]], moto_url: str) -> None:
         """Produce the remaining SQS chunks whenever the queue runs low.

@@ -56,10 +56,8 @@ _DENIED = re.compile(r"AccessDenied|\b403 Forbidden\b|\(403\)|HTTP 403|status 40
 PENDING = {
     ("producer", "WriteBatchMarkers", "s3:PutObject",
      "arn:aws:s3:::{bucket}/results/*/_failed.json"):
-        "issue 20: produce marks a batch it could not finish",
-    ("producer", "WriteBatchMarkers", "s3:PutObject",
-     "arn:aws:s3:::{bucket}/results/*/_cancel.json"):
-        "issue 20: qworker cancel writes the marker",
+        "issue 20: produce marks a batch it could not finish (no test fails a produce "
+        "into S3 yet)",
 }
 
 

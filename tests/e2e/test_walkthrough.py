@@ -98,7 +98,7 @@ def test_secured_kafka_lz4_to_completed_status_and_openai_files(
             bootstrap = f"127.0.0.1:{edge_port}"
             produced = _qworker("produce", "-i", str(EXAMPLES), "--to",
                                 f"kafka://{bootstrap}/jobs", "--kafka-compression", "lz4",
-                                env=env)
+                                "--allow-mixed", env=env)
             assert produced.returncode == 0, produced.stderr
             batch = produced.stdout.strip()
             assert batch.startswith("batch_")

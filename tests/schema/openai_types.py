@@ -77,8 +77,7 @@ def exact(model: type[SDKModel], data: dict[str, Any], path: str = "$") -> SDKMo
 
 def validate_line(line: dict[str, Any]) -> str:
     """Validate a whole result line; return its kind: chat, completion, response, embedding,
-    400, 404,
-    500, expired."""
+    400, 404, 500, expired, cancelled."""
     env = OutputLine.model_validate(line)
     if env.response is not None:
         assert env.error is None, "a line with a response has error null"
@@ -109,8 +108,8 @@ def validate_line(line: dict[str, Any]) -> str:
         return str(env.response.status_code)
     assert env.error is not None
     exact(BatchError, line["error"], "error")
-    assert env.error.code == "batch_expired"
-    return "expired"
+    assert env.error.code in ("batch_expired", "batch_cancelled")
+    return env.error.code.removeprefix("batch_")
 
 
 def sdk_decoded(body: dict[str, Any]) -> dict[str, Any]:

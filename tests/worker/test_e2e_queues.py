@@ -280,9 +280,10 @@ def test_kafka_to_s3_one_result_per_job_and_malformed_ones_recorded_or_dead_lett
     sink = f"s3://{s3_bucket}/{PREFIX}"
 
     # a producer that allows bigger jobs than the workers do: the oversized one must still
-    # get its error record from the worker
+    # get its error record from the worker (--allow-mixed: the unknown-url job is one of
+    # the malformed ones)
     done = _qworker("produce", "-i", str(jobs), "--to", source, "--batch-id", BATCH,
-                    "--max-job-bytes", "100000", "--results", sink, env=env)
+                    "--max-job-bytes", "100000", "--results", sink, "--allow-mixed", env=env)
     assert done.returncode == 0, done.stderr.decode()
     with running(_run_cmd(source, sink), env, tmp_path / "worker.log") as proc:
         assert proc.wait(timeout=90) == 0, (tmp_path / "worker.log").read_text()[-3000:]
@@ -330,9 +331,10 @@ def test_sqs_to_s3_one_result_per_job_and_malformed_ones_recorded_or_dead_letter
     sink = f"s3://{s3_bucket}/{PREFIX}"
 
     # a producer that allows bigger jobs than the workers do: the oversized one must still
-    # get its error record from the worker
+    # get its error record from the worker (--allow-mixed: the unknown-url job is one of
+    # the malformed ones)
     done = _qworker("produce", "-i", str(jobs), "--to", source, "--batch-id", BATCH,
-                    "--max-job-bytes", "100000", "--results", sink, env=env)
+                    "--max-job-bytes", "100000", "--results", sink, "--allow-mixed", env=env)
     assert done.returncode == 0, done.stderr.decode()
     with running(_run_cmd(source, sink), env, tmp_path / "worker.log") as proc:
         assert proc.wait(timeout=90) == 0, (tmp_path / "worker.log").read_text()[-3000:]

@@ -196,6 +196,17 @@ class S3Sink(Sink):
         log.info("s3 put duplicate key=%s (an object already exists)", key)
         return PutResult(False, await self._stored_fingerprint(key))
 
+    async def get(self, key: str) -> bytes | None:
+        """GET ``key`` on the sink's thread pool (None on NoSuchKey); one attempt."""
+        try:
+            response = await self._call("get_object", Bucket=self.bucket, Key=key)
+        except Exception as exc:
+            code = str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))
+            if code in ("NoSuchKey", "404", "NotFound"):
+                return None
+            raise
+        return await self._runner.run(self.call_timeout, lambda: bytes(response["Body"].read()))
+
     async def _stored_fingerprint(self, key: str) -> str | None:
         try:
             head = await self._call("head_object", Bucket=self.bucket, Key=key)
