@@ -246,6 +246,7 @@ def test_an_embeddings_batch_over_kafka_to_status_and_collect(
     assert batch.startswith("batch_")
     assert _status(sink, batch, env)["status"] == "in_progress"
 
+    served_from = int(time.time())
     _serve(_run(source, sink, "echo://?task=embed&dim=8", EMBED_MODEL), env,
            tmp_path / "worker.log")
 
@@ -253,6 +254,8 @@ def test_an_embeddings_batch_over_kafka_to_status_and_collect(
     assert status["status"] == "completed" and status["endpoint"] == "/v1/embeddings"
     assert status["request_counts"] == {"total": 6, "completed": 4, "failed": 2}
     assert status["output_file_id"] is None and status["error_file_id"] is None
+    # the batch completed when its last line was written, not when it was created
+    assert status["completed_at"] >= served_from > status["created_at"]
     results, errors = _collect(sink, batch, tmp_path, env)
     _check_embeddings(results)
     assert {e["custom_id"]: _error(e) for e in errors} == EMBED_ERRORS
