@@ -23,8 +23,8 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from qworker.worker.aws import BlockingRunner, make_client, s3_options
-from qworker.worker.failures import Refused, StartupError
+from qworker.worker.aws import BlockingRunner, auth_error, make_client, s3_options
+from qworker.worker.failures import AuthError, Refused, StartupError
 from qworker.worker.sinks.base import PutResult, Sink, SinkError
 
 log = logging.getLogger(__name__)
@@ -160,6 +160,14 @@ class S3Sink(Sink):
         try:
             await self._call("head_bucket", Bucket=self.bucket)
         except Exception as exc:
+            if auth_error(exc, "") is not None:
+                # HEAD answers carry no error code: a 403 is an unknown key, a bad
+                # signature, an expired token or a policy without s3:ListBucket alike.
+                raise AuthError(
+                    f"s3 bucket {self.bucket!r}: HeadBucket refused (403 Forbidden): check "
+                    "the AWS credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
+                    "AWS_SESSION_TOKEN or the role) and that its policy allows s3:ListBucket "
+                    "on the bucket") from None
             if classify_error(exc) in ("fatal", "refused"):
                 raise StartupError(
                     f"s3 bucket {self.bucket!r} is not usable: {_describe(exc)}"

@@ -1,0 +1,190 @@
+"""Startup checks run before the model loads; refused credentials are one line and exit 1.
+
+Regressions (issue 19): a missing queue or spool was reported only after the model had
+loaded (minutes for a large model); a wrong Kafka SASL password, a broker certificate
+the CA does not verify, or AWS credentials refused (an unknown key, a user without the
+permission) were taken for an outage: retried for the whole outage budget (300 s), then
+exit 69. A failing start also left aiokafka clients behind ("Unclosed AIOKafkaConsumer"
+at exit). Real servers: tansu behind the TLS/SASL edge, moto with IAM enforced.
+
+Every worker here is given a model that cannot load: the line it prints names the
+source or the sink, so the check ran first. The outage budget stays at its default
+(300 s); the subprocess timeout is far below it, so a retried failure fails the test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("aiokafka")
+pytest.importorskip("boto3")
+
+from qworker.testing.aws_calls import DIR_ENV, PLUGIN_ENV
+from qworker.testing.kafka_edge import KafkaEdge, LocalCA, SaslConfig, make_test_ca
+from tests.fixtures.servers import free_port, tansu_broker
+
+ROOT = Path(__file__).resolve().parents[2]
+#: Far below the 300 s outage budget a misclassified failure would wait out.
+TIMEOUT_S = 90
+USERS = {"alice": "s3cret-pw"}
+
+
+def _env(**extra: str) -> dict[str, str]:
+    # Calls made with refused credentials are not the shipped policies' business: keep
+    # them out of the session's recording (tests/fixtures/aws_recording.py).
+    env = {k: v for k, v in os.environ.items()
+           if k not in (DIR_ENV, PLUGIN_ENV) and not k.startswith("QWORKER_")}
+    env.update({"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "QWORKER_METRICS_PORT": "0",
+                "QWORKER_SPOT_METADATA_URL": "", **extra})
+    return env
+
+
+def run_worker(tmp: Path, source: str, sink: str | None = None,
+               **env: str) -> subprocess.CompletedProcess[str]:
+    """``qworker run`` with a model that cannot load; the default outage budgets."""
+    cmd = [sys.executable, "-m", "qworker", "run", "--source", source,
+           "--sink", sink or f"file://{tmp}/out", "--model", str(tmp / "no-such-model"),
+           "--until-idle", "1"]
+    return subprocess.run(cmd, env=_env(**env), cwd=ROOT, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+
+
+def assert_one_line(done: subprocess.CompletedProcess[str], *needles: str) -> str:
+    """Exit 1, one ERROR line naming ``needles``, no traceback, no unclosed client."""
+    err = done.stderr
+    assert done.returncode == 1, err
+    assert "Traceback" not in err, err
+    assert "Unclosed" not in err and "unclosed" not in err, err
+    assert "cannot load model" not in err and "loading model" not in err, err
+    lines = [line for line in err.splitlines() if " ERROR " in line]
+    assert len(lines) == 1, err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+@contextlib.contextmanager
+def secured_broker(tls: LocalCA | None, sasl: SaslConfig | None) -> Iterator[str]:
+    """tansu reachable only through a TLS/SASL edge (no topic: the check fails first)."""
+    port = free_port()
+    with tansu_broker(advertised_port=port) as upstream:
+        edge = KafkaEdge(upstream, port=port, tls=tls.server_context() if tls else None,
+                         sasl=sasl)
+        edge.start()
+        try:
+            yield f"127.0.0.1:{port}"
+        finally:
+            edge.stop()
+
+
+# ----------------------------------------------------------------- item 1: before the model
+
+
+def test_a_missing_spool_is_reported_before_the_model_loads(tmp_path: Path) -> None:
+    done = run_worker(tmp_path, f"file://{tmp_path}/no-such-jobs.jsonl")
+    assert_one_line(done, "no-such-jobs.jsonl", "does not exist")
+
+
+def test_a_missing_topic_is_reported_before_the_model_loads(
+    tmp_path: Path, kafka_broker: str
+) -> None:
+    done = run_worker(tmp_path, f"kafka://{kafka_broker}/no-such-topic-q19?group=g")
+    assert_one_line(done, "no-such-topic-q19", "does not exist")
+
+
+def test_a_missing_queue_and_bucket_are_reported_before_the_model_loads(
+    tmp_path: Path, moto_server: str
+) -> None:
+    aws = {"QWORKER_SQS_ENDPOINT_URL": moto_server, "QWORKER_S3_ENDPOINT_URL": moto_server,
+           "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1"}
+    done = run_worker(tmp_path, "sqs://no-such-queue-q19", **aws)
+    assert_one_line(done, "no-such-queue-q19", "does not exist")
+    (tmp_path / "jobs.jsonl").write_text("")
+    done = run_worker(tmp_path, f"file://{tmp_path}/jobs.jsonl", "s3://no-such-bucket-q19/r",
+                      **aws)
+    assert_one_line(done, "no-such-bucket-q19")
+
+
+# ----------------------------------------------------------------- item 2: Kafka credentials
+
+
+@pytest.mark.parametrize("mechanism", ["PLAIN", "SCRAM-SHA-512"])
+def test_a_wrong_sasl_password_exits_1_naming_the_user_and_mechanism(
+    tmp_path: Path, mechanism: str
+) -> None:
+    with secured_broker(None, SaslConfig((mechanism,), USERS)) as edge:
+        done = run_worker(tmp_path, f"kafka://{edge}/jobs?group=g",
+                          QWORKER_KAFKA_SECURITY_PROTOCOL="SASL_PLAINTEXT",
+                          QWORKER_KAFKA_SASL_MECHANISM=mechanism,
+                          QWORKER_KAFKA_SASL_USERNAME="alice",
+                          QWORKER_KAFKA_SASL_PASSWORD="wrong")
+    line = assert_one_line(done, "SASL authentication failed", "'alice'", mechanism,
+                           "QWORKER_KAFKA_SASL_USERNAME/_PASSWORD")
+    assert "wrong" not in line  # the password is never printed
+
+
+def test_a_broker_certificate_the_ca_does_not_verify_exits_1(tmp_path: Path) -> None:
+    pytest.importorskip("cryptography")
+    server_ca = make_test_ca(tmp_path / "server-ca")
+    other_ca = make_test_ca(tmp_path / "other-ca")
+    with secured_broker(server_ca, None) as edge:
+        done = run_worker(tmp_path, f"kafka://{edge}/jobs?group=g",
+                          QWORKER_KAFKA_SECURITY_PROTOCOL="SSL",
+                          QWORKER_KAFKA_SSL_CAFILE=str(other_ca.ca))
+    assert_one_line(done, "TLS verification", "QWORKER_KAFKA_SSL_CAFILE", str(other_ca.ca))
+
+
+# ----------------------------------------------------------------- item 2: AWS credentials
+
+
+@pytest.fixture(scope="module")
+def moto_iam(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    pytest.importorskip("moto")
+    from tests.fixtures.iam_moto import enforcing_moto
+
+    with enforcing_moto(tmp_path_factory.mktemp("moto-iam") / "moto.log") as moto:
+        yield moto
+
+
+def _aws_env(moto: object, user: str | None, **extra: str) -> dict[str, str]:
+    env = dict(moto.env(user or "worker"))  # type: ignore[attr-defined]
+    if user is None:  # a key IAM never issued
+        env.update({"AWS_ACCESS_KEY_ID": "AKIAUNKNOWNKEY000000",
+                    "AWS_SECRET_ACCESS_KEY": "not-a-secret"})
+    keep = {k: v for k, v in env.items() if k.startswith(("AWS_", "QWORKER_S3", "QWORKER_SQS"))}
+    return {**keep, "QWORKER_AWS_REGION": moto.dep.region, **extra}  # type: ignore[attr-defined]
+
+
+def test_an_unknown_access_key_exits_1_naming_the_queue_and_the_code(
+    tmp_path: Path, moto_iam: object
+) -> None:
+    done = run_worker(tmp_path, f"sqs://{moto_iam.jobs_url}",  # type: ignore[attr-defined]
+                      **_aws_env(moto_iam, None))
+    assert_one_line(done, "sqs queue", "InvalidClientTokenId", "AWS_ACCESS_KEY_ID")
+
+
+def test_a_user_without_the_permission_exits_1_with_access_denied(
+    tmp_path: Path, moto_iam: object
+) -> None:
+    # The collector may read results, not consume the jobs queue.
+    dep = moto_iam.dep  # type: ignore[attr-defined]
+    done = run_worker(tmp_path, f"sqs://{dep.jobs_queue}", **_aws_env(moto_iam, "collector"))
+    assert_one_line(done, "sqs queue", "AccessDenied", "IAM policy")
+
+
+def test_a_sink_bucket_refusing_the_credentials_exits_1(
+    tmp_path: Path, moto_iam: object
+) -> None:
+    (tmp_path / "jobs.jsonl").write_text("")
+    dep = moto_iam.dep  # type: ignore[attr-defined]
+    done = run_worker(tmp_path, f"file://{tmp_path}/jobs.jsonl", f"s3://{dep.bucket}/results",
+                      **_aws_env(moto_iam, None))
+    assert_one_line(done, f"s3 bucket {dep.bucket!r}", "403", "AWS_ACCESS_KEY_ID")
