@@ -7,8 +7,9 @@ permission) were taken for an outage: retried for the whole outage budget (300 s
 exit 69. A failing start also left aiokafka clients behind ("Unclosed AIOKafkaConsumer"
 at exit). Real servers: tansu behind the TLS/SASL edge, moto with IAM enforced.
 
-Every worker here is given a model that cannot load: the line it prints names the
-source or the sink, so the check ran first. The outage budget stays at its default
+The workers of the first tests are given a model that cannot load: the line they print
+names the source or the sink, so the check ran first; those with refused credentials
+load the echo model (the classification alone is under test). The outage budget stays at its default
 (300 s); the subprocess timeout is far below it, so a retried failure fails the test.
 """
 
@@ -39,18 +40,20 @@ USERS = {"alice": "s3cret-pw"}
 def _env(**extra: str) -> dict[str, str]:
     # Calls made with refused credentials are not the shipped policies' business: keep
     # them out of the session's recording (tests/fixtures/aws_recording.py).
+    # AWS_* and QWORKER_* only from ``extra``: another fixture's session token or
+    # endpoint must not mix with the credentials under test.
     env = {k: v for k, v in os.environ.items()
-           if k not in (DIR_ENV, PLUGIN_ENV) and not k.startswith("QWORKER_")}
+           if k not in (DIR_ENV, PLUGIN_ENV) and not k.startswith(("QWORKER_", "AWS_"))}
     env.update({"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "QWORKER_METRICS_PORT": "0",
                 "QWORKER_SPOT_METADATA_URL": "", **extra})
     return env
 
 
-def run_worker(tmp: Path, source: str, sink: str | None = None,
+def run_worker(tmp: Path, source: str, sink: str | None = None, model: str | None = None,
                **env: str) -> subprocess.CompletedProcess[str]:
-    """``qworker run`` with a model that cannot load; the default outage budgets."""
+    """``qworker run`` (by default with a model that cannot load); default outage budgets."""
     cmd = [sys.executable, "-m", "qworker", "run", "--source", source,
-           "--sink", sink or f"file://{tmp}/out", "--model", str(tmp / "no-such-model"),
+           "--sink", sink or f"file://{tmp}/out", "--model", model or str(tmp / "no-such-model"),
            "--until-idle", "1"]
     return subprocess.run(cmd, env=_env(**env), cwd=ROOT, capture_output=True, text=True,
                           timeout=TIMEOUT_S)
@@ -121,7 +124,7 @@ def test_a_wrong_sasl_password_exits_1_naming_the_user_and_mechanism(
     tmp_path: Path, mechanism: str
 ) -> None:
     with secured_broker(None, SaslConfig((mechanism,), USERS)) as edge:
-        done = run_worker(tmp_path, f"kafka://{edge}/jobs?group=g",
+        done = run_worker(tmp_path, f"kafka://{edge}/jobs?group=g", model="echo://",
                           QWORKER_KAFKA_SECURITY_PROTOCOL="SASL_PLAINTEXT",
                           QWORKER_KAFKA_SASL_MECHANISM=mechanism,
                           QWORKER_KAFKA_SASL_USERNAME="alice",
@@ -136,7 +139,7 @@ def test_a_broker_certificate_the_ca_does_not_verify_exits_1(tmp_path: Path) -> 
     server_ca = make_test_ca(tmp_path / "server-ca")
     other_ca = make_test_ca(tmp_path / "other-ca")
     with secured_broker(server_ca, None) as edge:
-        done = run_worker(tmp_path, f"kafka://{edge}/jobs?group=g",
+        done = run_worker(tmp_path, f"kafka://{edge}/jobs?group=g", model="echo://",
                           QWORKER_KAFKA_SECURITY_PROTOCOL="SSL",
                           QWORKER_KAFKA_SSL_CAFILE=str(other_ca.ca))
     assert_one_line(done, "TLS verification", "QWORKER_KAFKA_SSL_CAFILE", str(other_ca.ca))
@@ -167,7 +170,7 @@ def test_an_unknown_access_key_exits_1_naming_the_queue_and_the_code(
     tmp_path: Path, moto_iam: object
 ) -> None:
     done = run_worker(tmp_path, f"sqs://{moto_iam.jobs_url}",  # type: ignore[attr-defined]
-                      **_aws_env(moto_iam, None))
+                      model="echo://", **_aws_env(moto_iam, None))
     assert_one_line(done, "sqs queue", "InvalidClientTokenId", "AWS_ACCESS_KEY_ID")
 
 
@@ -176,7 +179,8 @@ def test_a_user_without_the_permission_exits_1_with_access_denied(
 ) -> None:
     # The collector may read results, not consume the jobs queue.
     dep = moto_iam.dep  # type: ignore[attr-defined]
-    done = run_worker(tmp_path, f"sqs://{dep.jobs_queue}", **_aws_env(moto_iam, "collector"))
+    done = run_worker(tmp_path, f"sqs://{dep.jobs_queue}", model="echo://",
+                      **_aws_env(moto_iam, "collector"))
     assert_one_line(done, "sqs queue", "AccessDenied", "IAM policy")
 
 
@@ -186,5 +190,5 @@ def test_a_sink_bucket_refusing_the_credentials_exits_1(
     (tmp_path / "jobs.jsonl").write_text("")
     dep = moto_iam.dep  # type: ignore[attr-defined]
     done = run_worker(tmp_path, f"file://{tmp_path}/jobs.jsonl", f"s3://{dep.bucket}/results",
-                      **_aws_env(moto_iam, None))
+                      model="echo://", **_aws_env(moto_iam, None))
     assert_one_line(done, f"s3 bucket {dep.bucket!r}", "403", "AWS_ACCESS_KEY_ID")
