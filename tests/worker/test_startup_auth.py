@@ -45,7 +45,8 @@ def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in (DIR_ENV, PLUGIN_ENV) and not k.startswith(("QWORKER_", "AWS_"))}
     env.update({"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "QWORKER_METRICS_PORT": "0",
-                "QWORKER_SPOT_METADATA_URL": "", **extra})
+                "QWORKER_SPOT_METADATA_URL": "", "PYTHONWARNINGS": "default::ResourceWarning",
+                **extra})
     return env
 
 
@@ -134,6 +135,24 @@ def test_a_wrong_sasl_password_exits_1_naming_the_user_and_mechanism(
     assert "wrong" not in line  # the password is never printed
 
 
+def test_produce_with_a_wrong_sasl_password_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    jobs = tmp_path / "in.jsonl"
+    jobs.write_text('{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", '
+                    '"body": {"model": "m", "messages": [{"role": "user", "content": "x"}]}}\n')
+    with secured_broker(None, SaslConfig(("SCRAM-SHA-512",), USERS)) as edge:
+        done = subprocess.run(
+            [sys.executable, "-m", "qworker", "produce", "-i", str(jobs), "--to",
+             f"kafka://{edge}/jobs", "--no-manifest"], cwd=ROOT, capture_output=True, text=True,
+            timeout=TIMEOUT_S, env=_env(QWORKER_KAFKA_SECURITY_PROTOCOL="SASL_PLAINTEXT",
+                                        QWORKER_KAFKA_SASL_MECHANISM="SCRAM-SHA-512",
+                                        QWORKER_KAFKA_SASL_USERNAME="alice",
+                                        QWORKER_KAFKA_SASL_PASSWORD="wrong"))
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.startswith("qworker produce: kafka: SASL authentication failed for "
+                                  "user 'alice' (mechanism SCRAM-SHA-512)"), done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
 def test_a_broker_certificate_the_ca_does_not_verify_exits_1(tmp_path: Path) -> None:
     pytest.importorskip("cryptography")
     server_ca = make_test_ca(tmp_path / "server-ca")
@@ -192,3 +211,29 @@ def test_a_sink_bucket_refusing_the_credentials_exits_1(
     done = run_worker(tmp_path, f"file://{tmp_path}/jobs.jsonl", f"s3://{dep.bucket}/results",
                       model="echo://", **_aws_env(moto_iam, None))
     assert_one_line(done, f"s3 bucket {dep.bucket!r}", "403", "AWS_ACCESS_KEY_ID")
+
+
+# ----------------------------------------------------------------- item 3: every exit closes
+
+
+def test_no_kafka_client_is_left_unclosed_by_an_idle_exit_or_a_drain(
+    tmp_path: Path, kafka_broker: str, kafka_topic: object
+) -> None:
+    topic = kafka_topic()  # type: ignore[operator]
+    source = f"kafka://{kafka_broker}/{topic}?group=g-closing"
+    env = _env(QWORKER_KAFKA_SESSION_TIMEOUT_MS="3000")
+    cmd = [sys.executable, "-m", "qworker", "run", "--source", source, "--sink",
+           f"file://{tmp_path}/out", "--model", "echo://"]
+    idle = subprocess.run([*cmd, "--until-idle", "1"], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=TIMEOUT_S)
+    assert idle.returncode == 0, idle.stderr
+    assert "nclosed" not in idle.stderr, idle.stderr
+    with subprocess.Popen(cmd, env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True) as proc:
+        assert proc.stderr is not None
+        for line in proc.stderr:  # wait until it serves, then SIGTERM
+            if "serving jobs from" in line:
+                break
+        proc.terminate()
+        _, err = proc.communicate(timeout=TIMEOUT_S)
+    assert proc.returncode in (0, 75), err
+    assert "nclosed" not in err and "Traceback" not in err, err
