@@ -237,3 +237,13 @@ def test_no_kafka_client_is_left_unclosed_by_an_idle_exit_or_a_drain(
         _, err = proc.communicate(timeout=TIMEOUT_S)
     assert proc.returncode in (0, 75), err
     assert "nclosed" not in err and "Traceback" not in err, err
+
+
+def test_no_kafka_client_is_left_unclosed_when_the_brokers_never_answer(tmp_path: Path) -> None:
+    # Regression: the probe consumer whose start failed was never stopped: exit 69 came
+    # with "ERROR asyncio: Unclosed AIOKafkaConsumer" lines. A short budget here: the exit
+    # path is under test, not the budget.
+    done = run_worker(tmp_path, f"kafka://127.0.0.1:{free_port()}/jobs?group=g",
+                      model="echo://", QWORKER_SOURCE_OUTAGE_SECONDS="2")
+    assert done.returncode == 69, done.stderr
+    assert "nclosed" not in done.stderr and "Traceback" not in done.stderr, done.stderr
