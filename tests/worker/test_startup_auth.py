@@ -247,3 +247,21 @@ def test_no_kafka_client_is_left_unclosed_when_the_brokers_never_answer(tmp_path
                       model="echo://", QWORKER_SOURCE_OUTAGE_SECONDS="2")
     assert done.returncode == 69, done.stderr
     assert "nclosed" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(("user", "prefix", "action"), [
+    ("worker", "elsewhere", "s3:PutObject"),  # its policy writes under results/ only
+    ("collector", "results", "s3:PutObject"),  # reads results, writes none
+])
+def test_a_sink_the_credentials_may_not_write_exits_1_and_nothing_is_stored(
+    tmp_path: Path, moto_iam: object, user: str, prefix: str, action: str
+) -> None:
+    # Regression: HEAD bucket passed, the first result write was refused, and the worker
+    # retried it for the whole sink outage budget, then exit 69.
+    (tmp_path / "jobs.jsonl").write_text("")
+    dep = moto_iam.dep  # type: ignore[attr-defined]
+    done = run_worker(tmp_path, f"file://{tmp_path}/jobs.jsonl", f"s3://{dep.bucket}/{prefix}",
+                      model="echo://", **_aws_env(moto_iam, user))
+    assert_one_line(done, f"s3://{dep.bucket}/{prefix}/*", action, "AccessDenied")
+    admin = moto_iam.client("s3")  # type: ignore[attr-defined]
+    assert not admin.list_objects_v2(Bucket=dep.bucket, Prefix=prefix).get("Contents")
