@@ -265,3 +265,23 @@ def test_a_sink_the_credentials_may_not_write_exits_1_and_nothing_is_stored(
     assert_one_line(done, f"s3://{dep.bucket}/{prefix}/*", action, "AccessDenied")
     admin = moto_iam.client("s3")  # type: ignore[attr-defined]
     assert not admin.list_objects_v2(Bucket=dep.bucket, Prefix=prefix).get("Contents")
+
+
+def test_a_sigterm_during_the_startup_checks_exits_75_before_the_model_loads(
+    tmp_path: Path,
+) -> None:
+    cmd = [sys.executable, "-m", "qworker", "run", "--source",
+           f"kafka://127.0.0.1:{free_port()}/jobs?group=g", "--sink", f"file://{tmp_path}/out",
+           "--model", str(tmp_path / "no-such-model")]
+    with subprocess.Popen(cmd, env=_env(), cwd=ROOT, stderr=subprocess.PIPE, text=True) as proc:
+        assert proc.stderr is not None
+        seen = []
+        for line in proc.stderr:  # the check is being retried: the brokers do not answer
+            seen.append(line)
+            if "source down" in line:
+                break
+        proc.terminate()
+        _, err = proc.communicate(timeout=TIMEOUT_S)
+    err = "".join(seen) + err
+    assert proc.returncode == 75, err
+    assert "loading model" not in err and "nclosed" not in err and "Traceback" not in err, err
