@@ -285,3 +285,43 @@ def test_a_sigterm_during_the_startup_checks_exits_75_before_the_model_loads(
     err = "".join(seen) + err
     assert proc.returncode == 75, err
     assert "loading model" not in err and "nclosed" not in err and "Traceback" not in err, err
+
+
+# ----------------------------------------------------------------- credentials revoked mid-run
+
+
+def test_credentials_revoked_while_serving_exit_69_at_once_not_after_the_budget(
+    tmp_path: Path, moto_iam: object
+) -> None:
+    # They worked at start: rotated, expired or revoked since. Not a configuration error
+    # (1 would stop AWS Batch from retrying), not an outage to sit out for 300 s: exit 69
+    # at once, so a new process starts with fresh credentials (docs/operations.md).
+    from tests.fixtures.iam_moto import Keys, _user, moto_dialect
+    from tests.fixtures.iam_policies import render
+
+    iam = moto_iam.client("iam")  # type: ignore[attr-defined]
+    name = f"worker-{free_port()}"
+    keys: Keys = _user(iam, name, moto_dialect(render("worker")))
+    dep = moto_iam.dep  # type: ignore[attr-defined]
+    env = _env(**{**_aws_env(moto_iam, "worker"), **keys.env(),
+                  "QWORKER_SQS_VISIBILITY_TIMEOUT": "5"})
+    cmd = [sys.executable, "-m", "qworker", "run", "--source",
+           f"sqs://{moto_iam.jobs_url}", "--sink",  # type: ignore[attr-defined]
+           f"s3://{dep.bucket}/{dep.results_prefix}", "--model", "echo://"]
+    with subprocess.Popen(cmd, env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True) as proc:
+        assert proc.stderr is not None
+        seen = []
+        for line in proc.stderr:
+            seen.append(line)
+            if "sqs source started" in line:
+                break
+        iam.delete_access_key(UserName=name, AccessKeyId=keys.access_key_id)
+        try:
+            _, err = proc.communicate(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    err = "".join(seen) + err
+    assert proc.returncode == 69, err
+    assert "InvalidClientTokenId" in err and "Traceback" not in err, err
+    assert "nclosed" not in err, err
