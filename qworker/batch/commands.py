@@ -43,7 +43,8 @@ def add_parsers(
     prod.add_argument("--batch-id", help="batch_id for every job (default: the file's own, "
                       "else a new batch_<uuid>)")
     prod.add_argument("--results", help="results location for the manifest "
-                      "(s3://bucket/prefix or file:///dir; default QWORKER_SINK)")
+                      "(s3://bucket/prefix or file:///dir; default QWORKER_SINK; required "
+                      "for a kafka:// or sqs:// target unless QWORKER_SINK is set)")
     prod.add_argument("--no-manifest", action="store_true", help="do not write a manifest")
     prod.add_argument("--completion-window", default="24h", metavar="DURATION",
                       help="stamp each job's deadline (unless it has an earlier one) this "
@@ -116,7 +117,7 @@ def produce_command(args: argparse.Namespace, settings: Any) -> int:
         manifest.expires_at = deadline
         store = None
         if not args.no_manifest:
-            results = args.results or settings.sink
+            results = _manifest_location(args, settings)
             store = open_store(results, settings)
             manifest.state = ManifestState.SENDING
             key = write_manifest(store, manifest).removeprefix(store.prefix).lstrip("/")
@@ -139,6 +140,22 @@ def produce_command(args: argparse.Namespace, settings: Any) -> int:
     return 0
 
 
+def _manifest_location(args: argparse.Namespace, settings: Any) -> str:
+    """Where ``produce`` writes the manifest: ``--results``, else a sink that was set
+    (``QWORKER_SINK`` / ``--sink``). A queue target needs one of them (docs/formats.md):
+    the default ``file://./results`` is this machine's folder, where ``status`` and
+    ``collect`` against the workers' bucket would never find the manifest."""
+    from qworker.worker.sources import source_scheme
+
+    if args.results:
+        return str(args.results)
+    if "sink" in settings.model_fields_set or source_scheme(args.to) == "file":
+        return str(settings.sink)
+    raise ValueError(f"--to {args.to} is a queue: give --results URI (or QWORKER_SINK), "
+                     "the location the workers write results to, so that `status` and "
+                     "`collect` find the batch's manifest there (or --no-manifest)")
+
+
 def status_command(args: argparse.Namespace, settings: Any) -> int:
     """``qworker status``: print the status object (once, or when completed with --wait)."""
     from qworker.batch.status import batch_status
@@ -151,12 +168,17 @@ def status_command(args: argparse.Namespace, settings: Any) -> int:
         if status["request_counts"]["total"] == 0 and not status["manifest"]:
             raise ValueError(f"no batch {args.batch_id!r} under {args.from_uri} "
                              "(no manifest and no results)")
+        if not status["manifest"]:
+            # Its total is unknown, so it never reads as completed (docs/formats.md).
+            print(json.dumps(status, indent=2))
+            wait = (", so it never reads as completed: --wait needs a batch sent by "
+                    "`qworker produce`") if args.wait is not None else ""
+            raise ValueError(
+                f"batch {args.batch_id} has no manifest under {args.from_uri}{wait} "
+                f"({status['request_counts']['total']} results stored, total unknown; was it "
+                "produced with --results pointing here? `qworker collect` still gathers them)")
         if args.wait is None or status["status"] in _FINAL:
             break
-        if not status["manifest"]:
-            print(json.dumps(status, indent=2))
-            raise ValueError(f"batch {args.batch_id} has no manifest, so it never reads as "
-                             "completed: --wait needs a batch sent by `qworker produce`")
         counts = status["request_counts"]
         print(f"status: {status['status']}: {counts['completed'] + counts['failed']}/"
               f"{counts['total']} done ({counts['failed']} failed)", file=sys.stderr)
@@ -208,8 +230,9 @@ def collect_command(args: argparse.Namespace, settings: Any) -> int:
               + (f" (and {more} more{'; see ' + args.missing if args.missing else ''})"
                  if more > 0 else ""), file=sys.stderr)
     if stats.total is None:
-        print("collect: no manifest: lines are in key order and missing ids are unknown",
-              file=sys.stderr)
+        print(f"collect: warning: batch {args.batch_id} has no manifest under "
+              f"{args.from_uri} (produced without --results pointing here?): lines are in "
+              "key order and missing ids are unknown", file=sys.stderr)
     return 0
 
 

@@ -99,18 +99,27 @@ class Worker:
         def fail_69(why: str) -> None:
             self._fail(ExitCode.UNAVAILABLE, why)
 
+        # Refused credentials are a configuration error until the source started, and a
+        # fatal stop (exit 69) after: they worked, so they rotated or expired (retry.py).
+        self._serving = False
+
+        def serving() -> bool:
+            return self._serving
+
         self.source_retrier = Retrier(
             Outage("source", settings.source_outage_seconds, problem),
             Backoff(first=0.2, cap=5.0), wake=self.drain.draining,
-            on_exhausted=fail_69, on_fatal=fail_69)
+            on_exhausted=fail_69, on_fatal=fail_69, running=serving)
         self.writer = ResultWriter(sink, Retrier(
             Outage("sink", settings.sink_outage_seconds, problem), Backoff(),
             wake=self.drain.immediate, deadline=lambda: self._store_until,
-            on_exhausted=fail_69), self.metrics, sink_prefix)
+            on_exhausted=fail_69, on_fatal=fail_69, running=serving), self.metrics,
+            sink_prefix)
         self.dead_letters = DeadLetters(source, Retrier(
             Outage("dead_letter", settings.source_outage_seconds, problem),
             Backoff(first=0.2, cap=5.0), wake=self.drain.immediate,
-            deadline=lambda: self._store_until, on_exhausted=fail_69), self.writer)
+            deadline=lambda: self._store_until, on_exhausted=fail_69, on_fatal=fail_69,
+            running=serving), self.writer)
         self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="qworker-prep")
         self._progress = asyncio.Event()
         self.settler = Settler(self.table, source, self.writer, self.dead_letters,
@@ -169,6 +178,7 @@ class Worker:
             self._finish_summary()
             return self.summary
         self._last_activity = time.monotonic()  # joining a group is not idle time
+        self._serving = True
         self._thread.start()
         helpers = [asyncio.create_task(self._stats_loop()),
                    asyncio.create_task(self._deadline_loop()),
