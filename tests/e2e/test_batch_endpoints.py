@@ -324,7 +324,7 @@ def test_a_kafka_batch_cancelled_mid_run_through_the_cli(
     model = "echo://?delay_ms=100&steps=30&num_kv_blocks=8"
     source = f"kafka://{kafka_broker}/{kafka_topic(1)}?group=cancel"
     sink = f"s3://{s3_bucket}/out"
-    ids = {"A": [f"A-{i}" for i in range(8)], "B": [f"B-{i}" for i in range(4)]}
+    ids = {"A": [f"A-{i}" for i in range(8)], "B": [f"B-{i}" for i in range(3)]}
     for batch, cids in ids.items():  # A's jobs first in the partition, then B's
         jobs = _write(tmp_path / f"{batch}.jsonl",
                       [_chat_job(cid, f"prompt {cid}", model="echo") for cid in cids])
@@ -396,15 +396,47 @@ def test_the_same_files_through_generate(tmp_path: Path) -> None:
 
 
 def _mixed_jobs() -> list[dict[str, Any]]:
-    """A chat job and an embedding job beside a good job of each task (one model name)."""
+    """Jobs of both tasks in one file: chat, embeddings, responses, embeddings, chat."""
     return [
         _chat_job("chat-0", "hello there", model="echo"),
         {"custom_id": "emb-0", "method": "POST", "url": "/v1/embeddings",
          "body": {"model": "echo", "input": "embed me"}},
-        _chat_job("chat-1", "general kenobi", model="echo"),
+        {"custom_id": "resp-0", "method": "POST", "url": "/v1/responses",
+         "body": {"model": "echo", "input": "respond"}},
         {"custom_id": "emb-1", "method": "POST", "url": "/v1/embeddings",
          "body": {"model": "echo", "input": ["one", "two"]}},
+        _chat_job("chat-1", "general kenobi", model="echo"),
     ]
+
+
+MIXED_MODELS = {"gen": "echo://", "emb": "echo://?task=embed&dim=8"}
+#: what each worker cannot serve, and the start of the 400 saying so
+MIXED_REFUSED = {
+    "gen": {"emb-0", "emb-1"},
+    "emb": {"chat-0", "resp-0", "chat-1"},
+}
+
+
+def _refusal(url: str) -> str:
+    if url == "/v1/embeddings":
+        return ('url /v1/embeddings asks for embeddings, but this worker serves text '
+                'generation (task "generate")')
+    return f'url {url} asks for text generation, but this worker serves embeddings (task "embed")'
+
+
+def _check_mixed(worker: str, lines: list[dict[str, Any]]) -> None:
+    """Each line of the mixed file from ``worker``: served, or the 400 naming its task."""
+    urls = {j["custom_id"]: j["url"] for j in _mixed_jobs()}
+    served = {"chat": "/v1/chat/completions", "response": "/v1/responses",
+              "embedding": "/v1/embeddings"}
+    assert sorted(x["custom_id"] for x in lines) == sorted(urls)
+    for line in lines:
+        cid, kind = line["custom_id"], validate_line(line)
+        if cid in MIXED_REFUSED[worker]:
+            assert _error(line) == ("400", "invalid_request", "url")
+            assert line["response"]["body"]["error"]["message"].startswith(_refusal(urls[cid]))
+        else:
+            assert served[kind] == urls[cid], line
 
 
 def test_a_job_for_the_other_task_is_a_400_naming_what_the_worker_serves(
@@ -414,34 +446,33 @@ def test_a_job_for_the_other_task_is_a_400_naming_what_the_worker_serves(
     env = _env(aws_env, tmp_path)
     sink = f"s3://{s3_bucket}/out"
     jobs = _write(tmp_path / "mixed.jsonl", _mixed_jobs())
-    workers = {"gen": "echo://", "emb": "echo://?task=embed&dim=8"}
-    sources = {batch: f"sqs://{sqs_queue().url}" for batch in workers}
+    sources = {batch: f"sqs://{sqs_queue().url}" for batch in MIXED_MODELS}
     for batch, source in sources.items():
         _qworker("produce", "-i", str(jobs), "--to", source, "--batch-id", batch,
                  "--results", sink, "--allow-mixed", env=env)
-    # the generate worker and the embed worker serve their queues side by side
-    with (running(_run(sources["gen"], sink, workers["gen"], "echo"), env,
+    # the generate worker and the embed worker serve their own queues side by side
+    with (running(_run(sources["gen"], sink, MIXED_MODELS["gen"], "echo"), env,
                   tmp_path / "gen.log") as gen,
-          running(_run(sources["emb"], sink, workers["emb"], "echo"), env,
+          running(_run(sources["emb"], sink, MIXED_MODELS["emb"], "echo"), env,
                   tmp_path / "emb.log") as emb):
         assert gen.wait(timeout=90) == 0, (tmp_path / "gen.log").read_text()[-3000:]
         assert emb.wait(timeout=90) == 0, (tmp_path / "emb.log").read_text()[-3000:]
 
-    serves = {"gen": ('url /v1/embeddings asks for embeddings, but this worker serves text '
-                      'generation (task "generate")'),
-              "emb": ('url /v1/chat/completions asks for text generation, but this worker '
-                      'serves embeddings (task "embed")')}
-    wrong = {"gen": {"emb-0", "emb-1"}, "emb": {"chat-0", "chat-1"}}
-    for batch in workers:
+    for batch in MIXED_MODELS:
         status = _status(sink, batch, env)
+        refused = len(MIXED_REFUSED[batch])
         assert status["status"] == "completed" and status["endpoint"] == "mixed"
-        assert status["request_counts"] == {"total": 4, "completed": 2, "failed": 2}
+        assert status["request_counts"] == {"total": 5, "completed": 5 - refused,
+                                            "failed": refused}
         results, errors = _collect(sink, batch, tmp_path, env)
-        assert {r["custom_id"] for r in results} == {j["custom_id"] for j in _mixed_jobs()
-                                                     } - wrong[batch]
-        assert all(validate_line(r) == ("chat" if batch == "gen" else "embedding")
-                   for r in results)
-        assert {e["custom_id"] for e in errors} == wrong[batch]
-        for line in errors:
-            assert _error(line)[:3] == ("400", "invalid_request", "url")
-            assert line["response"]["body"]["error"]["message"].startswith(serves[batch])
+        assert {e["custom_id"] for e in errors} == MIXED_REFUSED[batch]
+        _check_mixed(batch, results + errors)
+        _assert_usage(status, results)
+
+    # and offline: the same file through generate with either engine
+    for worker, model in MIXED_MODELS.items():
+        out = tmp_path / f"{worker}.generate.jsonl"
+        _qworker("generate", "-i", str(jobs), "-o", str(out), "--model", model, env=env)
+        lines = _read(out)
+        assert [x["custom_id"] for x in lines] == [j["custom_id"] for j in _mixed_jobs()]
+        _check_mixed(worker, lines)
