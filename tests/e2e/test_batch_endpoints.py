@@ -133,6 +133,13 @@ def _status(sink: str, batch: str, env: dict[str, str]) -> dict[str, Any]:
     status = json.loads(_qworker("status", "--from", sink, "--batch-id", batch, "--no-cache",
                                  env=env))
     validate_batch(status)
+    # one timeline (every worker here starts after produce has sent the whole batch)
+    assert status["in_progress_at"] >= status["created_at"]
+    for end in ("completed_at", "cancelled_at"):
+        assert status[end] is None or status[end] >= status["in_progress_at"], status
+    assert (status["conflicts"], status["unexpected"]) == (0, 0)
+    if status["status"] in ("completed", "cancelled"):
+        assert status["missing_count"] == 0 and status["missing"] == []
     return status
 
 
