@@ -324,11 +324,11 @@ def test_a_kafka_batch_cancelled_mid_run_through_the_cli(
     aws_env: dict[str, str],
 ) -> None:
     port = free_port()
-    # ~3 s per job in the engine, and the small KV pool admits ~3 at a time: a cancel just
+    # ~4 s per job in the engine, and the small KV pool admits ~3 at a time: a cancel just
     # after A's first jobs reach the engine finds them generating and the rest waiting
     env = _env(aws_env, tmp_path, QWORKER_METRICS_PORT=str(port),
                QWORKER_CANCEL_CHECK_SECONDS="0.2", QWORKER_MAX_INFLIGHT_JOBS="6")
-    model = "echo://?delay_ms=100&steps=30&num_kv_blocks=8"
+    model = "echo://?delay_ms=100&steps=40&num_kv_blocks=8"
     source = f"kafka://{kafka_broker}/{kafka_topic(1)}?group=cancel"
     sink = f"s3://{s3_bucket}/out"
     ids = {"A": [f"A-{i}" for i in range(8)], "B": [f"B-{i}" for i in range(3)]}
