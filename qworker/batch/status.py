@@ -41,7 +41,7 @@ from qworker.batch.lifecycle import (
 )
 from qworker.batch.listing import BatchListing, scan_batch
 from qworker.batch.manifest import Manifest, ManifestState
-from qworker.batch.store import DEFAULT_WORKERS, BatchStore
+from qworker.batch.store import DEFAULT_WORKERS, BatchStore, ordered_map
 from qworker.schema import error_of
 
 MISSING_SHOWN = 100
@@ -50,7 +50,7 @@ MISSING_SHOWN = 100
 def _cache_path(uri: str, batch_id: str) -> Path:
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     digest = hashlib.sha256(f"{uri}\n{batch_id}".encode()).hexdigest()[:24]
-    return base / "qworker" / "status" / f"{digest}.v2.tsv"
+    return base / "qworker" / "status" / f"{digest}.v3.tsv"
 
 
 @dataclass(slots=True, frozen=True)
@@ -109,8 +109,11 @@ def _int(value: Any) -> int:
     return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0
 
 
-def outcome_of(body: bytes) -> Outcome:
+def outcome_of(body: bytes, stored_at: int = 0) -> Outcome:
     """The ``Outcome`` of one stored line (unreadable -> code ``unreadable``).
+
+    ``created`` is the served body's ``created`` / ``created_at``; an embeddings body has
+    neither, so it is ``stored_at`` (when the line was stored, unix seconds).
 
     Tokens come from the served body's ``usage``: chat and completions
     ``prompt_tokens`` / ``completion_tokens`` (details ``prompt_tokens_details.
@@ -139,7 +142,7 @@ def outcome_of(body: bytes) -> Outcome:
     cached = _int(in_details.get("cached_tokens")) if isinstance(in_details, dict) else 0
     reasoning = _int(out_details.get("reasoning_tokens")) if isinstance(out_details, dict) else 0
     total = _int(usage.get("total_tokens")) or inp + out
-    created = _int(payload.get("created", payload.get("created_at")))
+    created = _int(payload.get("created", payload.get("created_at"))) or stored_at
     return Outcome("", inp, out, total, cached, reasoning, created)
 
 
@@ -162,9 +165,10 @@ def batch_status(
     keys = listing.result_keys
     todo = [k for k in keys if k not in cache.known]
     fetched = []
-    for key, body in store.get_many(todo, workers):
+    for key, body, stored_at in ordered_map(lambda k: (k, *store.get_stored(k)), todo,
+                                            workers):
         if body is not None:
-            fetched.append((key, outcome_of(body)))
+            fetched.append((key, outcome_of(body, stored_at)))
     cache.add(fetched)
     # With a manifest the counts are of its ids (so completed + failed <= total); results
     # for other ids show in ``unexpected``.

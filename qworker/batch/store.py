@@ -62,6 +62,11 @@ class BatchStore:
         """The object's bytes, or None when it does not exist."""
         raise NotImplementedError
 
+    def get_stored(self, key: str) -> tuple[bytes | None, int]:
+        """``(bytes, when it was stored in unix seconds)``; ``(None, 0)`` when absent, time 0
+        when the store cannot tell."""
+        return self.get(key), 0
+
     def put(self, key: str, body: bytes) -> None:
         """Write (or replace) one small object."""
         raise NotImplementedError
@@ -119,13 +124,19 @@ class S3Store(BatchStore):
 
     def get(self, key: str) -> bytes | None:
         """GET one object (None on NoSuchKey); botocore retries transient errors."""
+        return self.get_stored(key)[0]
+
+    def get_stored(self, key: str) -> tuple[bytes | None, int]:
+        """GET one object and its ``LastModified`` (the same request)."""
         try:
-            return bytes(self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read())
+            got = self.client.get_object(Bucket=self.bucket, Key=key)
         except Exception as exc:
             code = str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))
             if code in ("NoSuchKey", "404", "NotFound"):
-                return None
+                return None, 0
             raise
+        modified = got.get("LastModified")
+        return bytes(got["Body"].read()), int(modified.timestamp()) if modified else 0
 
     def put(self, key: str, body: bytes) -> None:
         """PUT one object (replacing it)."""
@@ -167,6 +178,14 @@ class DirStore(BatchStore):
             return (self.root / key).read_bytes()
         except FileNotFoundError:
             return None
+
+    def get_stored(self, key: str) -> tuple[bytes | None, int]:
+        """The file's bytes and modification time (results are written once, never changed)."""
+        try:
+            with (self.root / key).open("rb") as f:
+                return f.read(), int(os.fstat(f.fileno()).st_mtime)
+        except FileNotFoundError:
+            return None, 0
 
     def put(self, key: str, body: bytes) -> None:
         """Write atomically (a temporary file renamed into place)."""

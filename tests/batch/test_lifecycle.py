@@ -276,6 +276,10 @@ def test_usage_is_read_from_chat_responses_and_embeddings_bodies() -> None:
         "prompt_tokens": 5, "total_tokens": 5}}))
     failed = outcome_of(dumps(error_record("y", None, "batch_cancelled", "cancelled")))
     assert (chat.created, responses.created, failed.code) == (5, 7, "batch_cancelled")
+    # an embeddings body carries no time: the line's is when it was stored
+    assert embeddings.created == 0
+    assert outcome_of(line({"object": "list", "usage": {}}), stored_at=9).created == 9
+    assert outcome_of(line({"object": "chat.completion", "created": 5}), stored_at=9).created == 5
     assert _usage([chat, responses, embeddings, failed]) == {
         "input_tokens": 21, "input_tokens_details": {"cached_tokens": 8},
         "output_tokens": 7, "output_tokens_details": {"reasoning_tokens": 2},

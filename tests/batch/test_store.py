@@ -72,3 +72,22 @@ def test_ordered_map_bounds_what_it_holds() -> None:
 def test_a_bad_results_location_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="s3://bucket/prefix or file:///path/dir"):
         open_store("ftp://x", None)
+
+
+def test_get_stored_gives_the_bytes_and_when_they_were_stored(
+    tmp_path, moto_server: str, s3_bucket: str
+) -> None:
+    import os
+    import time
+
+    before = int(time.time())
+    boto_client("s3", moto_server).put_object(Bucket=s3_bucket, Key="p/b/x.json", Body=b"x")
+    s3 = open_store(f"s3://{s3_bucket}/p", _settings(moto_server))
+    body, stored_at = s3.get_stored("p/b/x.json")
+    assert body == b"x" and before - 1 <= stored_at <= time.time() + 1
+    assert s3.get_stored("p/b/none.json") == (None, 0)
+    local = DirStore(tmp_path)
+    local.put("b/x.json", b"y")
+    os.utime(tmp_path / "b" / "x.json", (1_700_000_000, 1_700_000_000))
+    assert local.get_stored("b/x.json") == (b"y", 1_700_000_000)
+    assert local.get_stored("b/none.json") == (None, 0)
