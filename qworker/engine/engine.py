@@ -31,13 +31,16 @@ from qworker.engine.step_pipeline import (
     needs_host_history,
     without_finished,
 )
-from qworker.errors import ContextLengthExceededError, InvalidRequestError
+from qworker.errors import ContextLengthExceededError, InvalidRequestError, ModelLoadError
 
 logger = logging.getLogger(__name__)
 
 
 class Engine:
     """A continuously batched, paged-KV generator (the Python API of README.md)."""
+
+    #: What this engine serves (``EmbeddingEngine.task`` is "embed"; ``open_engine`` picks).
+    task: str = "generate"
 
     def __init__(self, config: EngineConfig, kernels: KernelRunner | None = None,
                  tp_group: Any = None) -> None:
@@ -46,6 +49,9 @@ class Engine:
         ``qworker.engine.parallel.launcher.TensorParallelGroup`` to serve on (the caller
         keeps it: ``close`` only releases it); by default a ``tensor_parallel_size > 1``
         engine starts its own and shuts it down on ``close``, or at exit."""
+        if config.task == "embed":
+            raise ModelLoadError("task 'embed' is served by EmbeddingEngine: build engines "
+                                 "with qworker.engine.open_engine(config)")
         parts: EngineParts = build_engine_parts(config, tp_group, kernels)
         self.tp_group = parts.tp_group
         self._close_group: Any = None
