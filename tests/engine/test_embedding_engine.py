@@ -153,3 +153,20 @@ def test_minilm_user_errors_and_dimensions(minilm: LLM) -> None:
     assert isinstance(one, EmbeddingOutput) and len(one.embedding) == 32
     assert sum(x * x for x in one.embedding) == pytest.approx(1.0, abs=1e-5)
     assert one.prompt_tokens == len(minilm.tokenizer("Matryoshka")["input_ids"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["bert", "qwen3"])
+def test_bf16_on_the_gpu_matches_fp32_on_the_cpu(kind: str, tmp_path: Path) -> None:
+    from tests.models.embedding_dirs import make_embedding_dir as make
+
+    path = make(kind, tmp_path / kind, seed=12)
+    inputs = random_inputs([3, 40, 17, 64, 1, 25], seed=12)
+    vectors = {}
+    for device, dtype in (("cpu", "float32"), ("cuda", "bfloat16")):
+        llm = LLM(str(path), task="embed", device=device, dtype=dtype,
+                  max_num_batched_tokens=64)
+        vectors[device] = torch.tensor([o.embedding for o in llm.embed(inputs,
+                                                                      use_tqdm=False)])
+    cosines = torch.nn.functional.cosine_similarity(vectors["cpu"], vectors["cuda"], dim=-1)
+    assert cosines.min().item() > 0.99
