@@ -290,6 +290,8 @@ class EmbeddingEngine:
 
     @torch.inference_mode()
     def _run(self, items: list[tuple[EmbeddingRequest, int]]) -> None:
+        # shortest first: attention groups of similar lengths (packed_attention.py)
+        items = sorted(items, key=lambda item: len(item[0].inputs[item[1]]))
         inputs = [request.inputs[i] for request, i in items]
         lengths = [len(ids) for ids in inputs]
         flat = torch.tensor([t for ids in inputs for t in ids], dtype=torch.int64)
