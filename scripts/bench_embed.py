@@ -121,8 +121,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads for both tools (default: every core)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--budgets", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
-    p.add_argument("--st-batch-sizes", type=int, nargs="+", default=[16, 32, 64, 128])
+    p.add_argument("--budgets", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    p.add_argument("--st-batch-sizes", type=int, nargs="+", default=[8, 16, 32, 64])
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--no-baseline", action="store_true",
                    help="skip sentence-transformers (on a GPU: bf16 vs fp32 rows instead)")
