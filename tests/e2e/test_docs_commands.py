@@ -78,6 +78,9 @@ NOT_RUN: dict[tuple[str, str, int], str] = {
         "spool into a file sink, is tests/worker's)",
     ("README.md", "## Quick start (Python API, vLLM's names)", 0):
         "a placeholder model path (/path/to/hf-model-dir); the Python API is tests/engine's",
+    ("docs/embeddings.md", "# Embeddings", 0):
+        "a placeholder model path (/models/all-MiniLM-L6-v2); LLM.embed on the real model is "
+        "tests/engine/test_embedding_engine.py's",
     ("deploy/README.md", "## 1. Build and push the image", 0):
         "needs terraform, an AWS account and docker (none here); tests/deploy holds the "
         "Dockerfile and terraform to the code",
