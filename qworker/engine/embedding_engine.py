@@ -205,7 +205,9 @@ class EmbeddingEngine:
         with self._lock:
             waiting = len(self._waiting) + len(self._inbox)
             return EngineStats(
-                num_kv_blocks=0, block_size=0, prompt_tokens=self.prompt_tokens,
+                # block_size stays the configured one: callers divide by it
+                num_kv_blocks=0, block_size=self.config.block_size,
+                prompt_tokens=self.prompt_tokens,
                 num_requests_waiting=waiting, max_model_len=self.max_model_len,
                 max_num_seqs=self.max_num_seqs, attention_backend="sdpa",
                 kv_cache_dtype="none", kernel_selftest="not_applicable")
