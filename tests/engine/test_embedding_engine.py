@@ -113,6 +113,22 @@ def test_tasks_that_do_not_fit_the_model_are_one_line_errors(
         llm.embed("hi")
 
 
+def test_the_worker_builds_an_embedding_engine_from_qworker_task(
+        bert_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("pydantic_settings")
+    from qworker.config import WorkerSettings
+    from qworker.worker.app import build_engine
+
+    monkeypatch.setenv("QWORKER_TASK", "embed")
+    settings = WorkerSettings(model=str(bert_dir), device="cpu")
+    assert settings.engine_config().task == "embed"
+    built = build_engine(settings)
+    assert isinstance(built, EmbeddingEngine) and built.model_name == bert_dir.name
+    monkeypatch.setenv("QWORKER_TASK", "generate")
+    with pytest.raises(ModelLoadError, match="task 'generate'"):
+        build_engine(WorkerSettings(model=str(bert_dir), device="cpu"))
+
+
 def test_task_embed_refuses_a_decoder_it_cannot_embed(tiny_opt_dir: Path) -> None:
     with pytest.raises(ModelLoadError, match="task 'embed' cannot run OPTForCausalLM"):
         open_engine(EngineConfig(model=str(tiny_opt_dir), task="embed", device="cpu"))
