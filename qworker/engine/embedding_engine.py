@@ -244,7 +244,11 @@ class EmbeddingEngine:
         self._drain_inbox(finished)
         items = self._schedule()
         if items:
-            self._run(items)
+            try:
+                self._run(items)
+            except BaseException:
+                self._requeue(items)
+                raise
             for request, _ in items:
                 if request.done == len(request.inputs) and request.next_input >= 0:
                     request.next_input = -1  # reported once
@@ -289,6 +293,18 @@ class EmbeddingEngine:
             if request.next_input == len(request.inputs):
                 self._waiting.popleft()
         return items
+
+    def _requeue(self, items: list[tuple[EmbeddingRequest, int]]) -> None:
+        """Put a failed step's inputs back at the head of the queue, in their order, so
+        the next step retries them and ``abort`` can still find their requests."""
+        first: dict[int, tuple[EmbeddingRequest, int]] = {}
+        for request, i in items:
+            first.setdefault(id(request), (request, i))
+        head = self._waiting[0] if self._waiting else None
+        popped = [r for r, _ in first.values() if r is not head]
+        for request, i in first.values():
+            request.next_input = i
+        self._waiting.extendleft(reversed(popped))
 
     @torch.inference_mode()
     def _run(self, items: list[tuple[EmbeddingRequest, int]]) -> None:

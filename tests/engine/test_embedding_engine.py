@@ -186,3 +186,27 @@ def test_bf16_on_the_gpu_matches_fp32_on_the_cpu(kind: str, tmp_path: Path) -> N
                                                                       use_tqdm=False)])
     cosines = torch.nn.functional.cosine_similarity(vectors["cpu"], vectors["cuda"], dim=-1)
     assert cosines.min().item() > 0.99
+
+
+def test_a_failed_step_puts_its_inputs_back_and_they_can_be_retried_or_aborted(
+        engine: EmbeddingEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b, c = random_inputs([5, 6, 7], seed=3)
+    engine.add_embedding("one", [a, b])
+    engine.add_embedding("two", [c])
+    broken = {"on": True}
+    real = engine.model.forward
+
+    def forward(*args: object) -> object:
+        if broken["on"]:
+            raise RuntimeError("device fell over")
+        return real(*args)
+
+    monkeypatch.setattr(engine.model, "forward", forward)
+    with pytest.raises(RuntimeError, match="fell over"):
+        engine.step()
+    assert engine.has_unfinished() and engine.stats().num_requests_waiting == 2
+    engine.abort("two")
+    broken["on"] = False
+    outs = {o.request_id: o for o in engine.step()}
+    assert len(outs["one"].embeddings) == 2 and outs["two"].embeddings is None
+    assert not engine.has_unfinished()
