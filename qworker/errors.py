@@ -27,10 +27,27 @@ class ContextLengthExceededError(InvalidRequestError):
     code = "context_length_exceeded"
 
 
+class ModelNotFoundError(InvalidRequestError):
+    """The job's ``model`` names no model this worker serves (``model_not_found``, a 404).
+
+    docs/formats.md, "Model names": the served name, ``--model`` as given, or an alias.
+    """
+
+    code = "model_not_found"
+    param = "model"
+
+
 class BatchExpiredError(QworkerError):
     """The job's ``deadline`` passed before it could be served (``batch_expired``)."""
 
     code = "batch_expired"
+
+
+class BatchCancelledError(QworkerError):
+    """The job's batch was cancelled (``qworker cancel``) before the job started
+    generating (``batch_cancelled``)."""
+
+    code = "batch_cancelled"
 
 
 class EngineError(QworkerError):

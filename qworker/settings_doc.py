@@ -29,7 +29,7 @@ _SUFFIX_UNITS = (("_seconds", "seconds"), ("_ms", "milliseconds"), ("_bytes", "b
 
 def group_of(name: str) -> str:
     """The help group of setting ``name``."""
-    if name in ENGINE_FIELDS or name == "model":
+    if name in ENGINE_FIELDS or name in ("model", "model_aliases", "accept_any_model"):
         return "engine"
     if name.startswith(_KAFKA_SECURITY):
         return "kafka security"

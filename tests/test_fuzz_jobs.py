@@ -64,7 +64,10 @@ def _bodies() -> st.SearchStrategy[dict[str, Any]]:
                                             "tool_calls": json_values}),
         max_size=3) | json_values
     good = {"messages": messages, "prompt": st.text(max_size=30) | st.lists(st.integers(-5, 99))
-            | json_values}
+            | json_values,
+            "input": st.text(max_size=30) | st.lists(st.integers(-5, 99))
+            | st.lists(st.text(max_size=5) | st.lists(st.integers(-5, 99), max_size=3),
+                       max_size=4) | json_values}
     return st.dictionaries(st.sampled_from(fields), json_values, max_size=6).flatmap(
         lambda d: st.fixed_dictionaries({k: st.just(v) for k, v in d.items()},
                                         optional=good))
@@ -73,7 +76,8 @@ def _bodies() -> st.SearchStrategy[dict[str, Any]]:
 jobs = st.fixed_dictionaries(
     {"custom_id": custom_ids},
     optional={"method": st.sampled_from(["POST", "GET"]) | json_values,
-              "url": st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/x"])
+              "url": st.sampled_from(["/v1/chat/completions", "/v1/completions",
+                                      "/v1/embeddings", "/v1/x"])
               | json_values,
               "body": _bodies() | json_values,
               "batch_id": st.text(max_size=300) | json_values,
@@ -102,7 +106,8 @@ def _assert_handled(raw: bytes) -> None:
         job = parsed.job
         assert job.custom_id == parsed.custom_id
         done = CompletionOutput(0, "hi", [3], finish_reason="stop")
-        out = RequestOutput("r", None, [1, 2], [done], True)
+        out = RequestOutput("r", None, [1, 2], [done], True,
+                            embeddings=[[0.5, -0.5]] * len(job.inputs or ()))
         record = success_record(job, out, "echo")
     back = orjson.loads(dumps(record))
     assert back["custom_id"] == parsed.custom_id

@@ -70,8 +70,9 @@ def test_message_that_is_not_a_job_object_is_dead_lettered(raw: bytes, reason: s
 @pytest.mark.parametrize(
     ("raw", "message"),
     [
-        (_job(url="/v1/embeddings"),
-         'url must be /v1/chat/completions or /v1/completions, got "/v1/embeddings"'),
+        (_job(url="/v1/images/generations"),
+         "url must be /v1/chat/completions, /v1/completions, /v1/responses or /v1/embeddings, "
+         'got "/v1/images/generations"'),
         (_job(method="GET"), 'method must be "POST", got "GET"'),
         (_job(body=[1]), "body must be an object, got an array [1]"),
         (_job({"messages": []}), "body.messages must be a non-empty list, got an array []"),
@@ -121,6 +122,9 @@ def test_message_that_is_not_a_job_object_is_dead_lettered(raw: bytes, reason: s
         (_job(batch_id=5), "batch_id must be a non-empty string, got a number 5"),
         (_job(deadline="tomorrow"), 'deadline must be unix seconds (a number), got "tomorrow"'),
         (_job(metadata=[1]), "metadata must be an object, got an array [1]"),
+        (_job(metadata={"ids": list(range(1025))}), "metadata holds more than 1024 values"),
+        (_job(metadata={"a": [{"b": list(range(500))}, list(range(600))]}),
+         "metadata holds more than 1024 values"),
     ],
 )
 def test_invalid_job_gets_invalid_request_naming_the_field(raw: bytes, message: str | None) -> None:
@@ -179,6 +183,12 @@ def test_text_parts_are_joined_and_developer_role_becomes_system() -> None:
     assert parsed.job is not None
     assert parsed.job.messages == [{"role": "system", "content": "be brief"},
                                    {"role": "user", "content": "a\nb"}]
+
+
+def test_metadata_of_1024_values_is_carried() -> None:
+    metadata = {"ids": list(range(1000)), "tags": {str(i): i for i in range(22)}}
+    parsed = parse_job(_job(metadata=metadata))
+    assert parsed.job is not None and parsed.job.metadata == metadata
 
 
 def test_batch_id_deadline_metadata_are_carried() -> None:

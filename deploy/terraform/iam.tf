@@ -23,8 +23,8 @@
 #   WriteAndReadResults  PutObject of results, _conflicts/ records and
 #                      <results_prefix>/_dead_letters/ (issue 18's sink fallback,
 #                      pending); GetObject for HeadObject on a 412 (redelivery: compare
-#                      fingerprints) and for <batch>/_cancel.json (issue 20's cancel
-#                      marker, pending).
+#                      fingerprints) and for <batch>/_cancel.json (the cancel marker,
+#                      looked up for each held batch).
 #   UseKeyThroughS3AndSqs  SSE-KMS: GenerateDataKey for PutObject and SendMessage,
 #                      Decrypt for GetObject, ReceiveMessage and SendMessage (SQS
 #                      reuses cached data keys), only through S3 and SQS.
@@ -52,8 +52,9 @@ resource "aws_iam_policy" "worker" {
 # is for `--to sqs://NAME`. ReadManifest: produce keeps an existing manifest of the
 # same ids (sending a file again) and refuses one of other ids; MissingIsNotFound
 # (s3:ListBucket) makes S3 answer that first GET 404 instead of 403. _failed.json
-# (produce did not finish) and _cancel.json (qworker cancel) are issue 20's markers,
-# pending until the recording sees them. KMS: SendMessage needs GenerateDataKey and
+# (produce did not finish; pending until a test fails a produce into S3) and
+# _cancel.json (qworker cancel, written once; never read back here) are the batch's
+# lifecycle markers (docs/formats.md, "Batch lifecycle"). KMS: SendMessage needs GenerateDataKey and
 # Decrypt (SQS reuses data keys), PutObject GenerateDataKey, GetObject Decrypt.
 resource "aws_iam_policy" "producer" {
   name        = "${local.name}-producer"
@@ -61,7 +62,9 @@ resource "aws_iam_policy" "producer" {
   policy      = jsonencode(jsondecode(templatefile("${path.module}/policies/producer.json.tftpl", local.policy_vars)))
 }
 
-# status and collect: list and read a batch's results, markers and conflicts.
+# status and collect: list and read a batch's results, markers and conflicts; collect
+# records where it wrote the batch in <batch>/_collected.json (status shows them as
+# output_file_id / error_file_id), hence PutObject on that one name and GenerateDataKey.
 resource "aws_iam_policy" "collector" {
   name        = "${local.name}-collector"
   description = "qworker status / collect: list and read results"

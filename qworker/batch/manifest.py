@@ -4,7 +4,12 @@ Stored as ``<results>/<batch>/_manifest.json`` (docs/formats.md, "Manifest")::
 
     {"object": "qworker.manifest", "batch_id": "batch_...", "total": 3,
      "input": "requests.jsonl", "created": 1764460000, "endpoint": "/v1/chat/completions",
-     "to": "kafka://...", "custom_ids": ["a", "b", "c"]}
+     "to": "kafka://...", "completion_window": "24h", "expires_at": 1764546400,
+     "state": "sent", "sent_at": 1764460002, "custom_ids": ["a", "b", "c"]}
+
+``state`` is ``sending`` while produce sends (``status``: ``validating``) and ``sent``
+once every job is sent; a manifest without it (an older produce) reads as sent. A
+produce that fails part-way writes ``_failed.json`` beside it (qworker/batch/lifecycle.py).
 
 ``scan_input`` is produce's first pass over the input: it refuses duplicate
 ``custom_id``s (as OpenAI does), settles the batch id and collects the ids in order;
@@ -26,6 +31,15 @@ from qworker.schema import manifest_key
 
 MANIFEST_OBJECT = "qworker.manifest"
 _SHOWN = 5
+#: The ``endpoint`` of a batch produced with ``--allow-mixed`` from several urls.
+MIXED_ENDPOINT = "mixed"
+
+
+class ManifestState:
+    """How far ``produce`` got (the manifest's ``state``)."""
+
+    SENDING = "sending"
+    SENT = "sent"
 
 
 class DuplicateCustomIdError(ValueError):
@@ -49,13 +63,20 @@ class Manifest:
     endpoint: str | None = None
     to: str | None = None
     skipped_lines: int = 0
+    completion_window: str | None = None
+    expires_at: int | None = None
+    state: str = ManifestState.SENT
+    sent_at: int | None = None
 
     def to_json(self) -> bytes:
         """The stored form."""
         return orjson.dumps({
             "object": MANIFEST_OBJECT, "batch_id": self.batch_id, "total": self.total,
             "input": self.input, "created": self.created, "endpoint": self.endpoint,
-            "to": self.to, "skipped_lines": self.skipped_lines, "custom_ids": self.custom_ids,
+            "to": self.to, "skipped_lines": self.skipped_lines,
+            "completion_window": self.completion_window, "expires_at": self.expires_at,
+            "state": self.state, "sent_at": self.sent_at,
+            "custom_ids": self.custom_ids,
         })
 
     @classmethod
@@ -68,7 +89,15 @@ class Manifest:
         return cls(batch_id=str(obj["batch_id"]), total=int(obj.get("total", len(ids))),
                    input=str(obj.get("input", "")), created=int(obj.get("created", 0)),
                    custom_ids=[str(i) for i in ids], endpoint=obj.get("endpoint"),
-                   to=obj.get("to"), skipped_lines=int(obj.get("skipped_lines", 0)))
+                   to=obj.get("to"), skipped_lines=int(obj.get("skipped_lines", 0)),
+                   completion_window=obj.get("completion_window"),
+                   expires_at=_int_or_none(obj.get("expires_at")),
+                   state=str(obj.get("state") or ManifestState.SENT),
+                   sent_at=_int_or_none(obj.get("sent_at")))
+
+
+def _int_or_none(value: Any) -> int | None:
+    return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
 class BatchExistsError(ValueError):
@@ -107,6 +136,10 @@ class JobTooLargeError(ValueError):
     """A line of the input is larger than ``max_job_bytes``."""
 
 
+class MixedEndpointsError(ValueError):
+    """The input's lines name more than one ``url`` (and ``--allow-mixed`` was not given)."""
+
+
 @dataclass(slots=True)
 class _Scan:
     ids: list[str] = field(default_factory=list)
@@ -114,12 +147,13 @@ class _Scan:
     first_line: dict[str, int] = field(default_factory=dict)
     duplicates: list[tuple[str, int, int]] = field(default_factory=list)
     batch_ids: set[str | None] = field(default_factory=set)
-    endpoints: set[str] = field(default_factory=set)
+    endpoints: dict[str, int] = field(default_factory=dict)
     skipped: int = 0
 
 
 def scan_input(
-    f: IO[bytes], batch_id: str | None, input_name: str, max_job_bytes: int | None = None
+    f: IO[bytes], batch_id: str | None, input_name: str, max_job_bytes: int | None = None,
+    allow_mixed: bool = False, deadline: int | None = None,
 ) -> Manifest:
     """First pass over a requests file: ids in order, duplicates refused, batch id settled.
 
@@ -130,6 +164,10 @@ def scan_input(
     dead-letters them). ``max_job_bytes``: a file with a job longer than that, as sent (its
     batch id set), is refused (``JobTooLargeError``): the worker would answer it only with
     an error, and a queue may not carry it at all.
+
+    A batch has one endpoint, as OpenAI's: lines naming different ``url``s are refused
+    (``MixedEndpointsError``, listing them) unless ``allow_mixed``, when the manifest's
+    endpoint is ``"mixed"``. ``deadline``: what ``job_items`` stamps (sizes count it).
     """
     if batch_id is not None and not batch_id:
         raise ValueError("--batch-id must not be empty (a job's batch_id is a non-empty string)")
@@ -144,7 +182,7 @@ def scan_input(
         except orjson.JSONDecodeError:
             data = None
         if max_job_bytes is not None:
-            size = _sent_size(body, data, batch_id, fresh)
+            size = _sent_size(body, data, batch_id, fresh, deadline)
             if size > max_job_bytes:
                 scan.oversize.append((line_no, size))
         cid = data.get("custom_id") if isinstance(data, dict) else None
@@ -160,7 +198,7 @@ def scan_input(
         own = data.get("batch_id")
         scan.batch_ids.add(own if isinstance(own, str) and own else None)
         if isinstance(data.get("url"), str):
-            scan.endpoints.add(data["url"])
+            scan.endpoints[data["url"]] = scan.endpoints.get(data["url"], 0) + 1
     if scan.duplicates:
         shown = "; ".join(f"{c!r} on lines {a} and {b}" for c, a, b in scan.duplicates[:_SHOWN])
         more = len(scan.duplicates) - _SHOWN
@@ -184,23 +222,51 @@ def scan_input(
             raise ValueError(f"{input_name}: lines carry different batch_ids "
                              f"({sorted(map(str, scan.batch_ids))[:4]}); pass --batch-id")
         batch_id = next(iter(own_ids)) if own_ids else fresh
-    endpoint = next(iter(scan.endpoints)) if len(scan.endpoints) == 1 else None
+    if len(scan.endpoints) > 1 and not allow_mixed:
+        listed = ", ".join(f"{url} ({n} lines)" for url, n in sorted(scan.endpoints.items()))
+        raise MixedEndpointsError(
+            f"{input_name}: lines name {len(scan.endpoints)} endpoints: {listed}; a batch has "
+            "one endpoint (pass --allow-mixed to send them as one batch); nothing was sent")
+    endpoint = (next(iter(scan.endpoints)) if len(scan.endpoints) == 1
+                else MIXED_ENDPOINT if scan.endpoints else None)
     return Manifest(batch_id=batch_id, total=len(scan.ids), input=input_name,
                     created=int(time.time()), custom_ids=scan.ids, endpoint=endpoint,
                     skipped_lines=scan.skipped)
 
 
-def _sent_size(body: bytes, data: Any, batch_id: str | None, fresh: str) -> int:
-    """How long ``job_items`` makes this line: the batch id it gets may lengthen it."""
+def _sent_size(body: bytes, data: Any, batch_id: str | None, fresh: str,
+               deadline: int | None) -> int:
+    """How long ``job_items`` makes this line: the batch id and deadline may lengthen it."""
     if not isinstance(data, dict):
         return len(body)
     own = data.get("batch_id")
     target = batch_id if batch_id is not None else (own if isinstance(own, str) and own else fresh)
-    return len(body) if own == target else len(orjson.dumps({**data, "batch_id": target}))
+    stamped = _stamped(data, target, deadline)
+    return len(body) if stamped is None else len(orjson.dumps(stamped))
 
 
-def job_items(f: IO[bytes], batch_id: str) -> Iterator[tuple[str | None, bytes]]:
-    """Second pass: ``(key, message)`` per non-blank line, ``batch_id`` set on each job."""
+def _stamped(data: dict[str, Any], batch_id: str,
+             deadline: int | None) -> dict[str, Any] | None:
+    """``data`` with the batch id and the deadline set, or None when it needs neither.
+
+    A line's own ``deadline`` stays when it is earlier than the batch's (or not a number:
+    the worker answers that line ``invalid_request``).
+    """
+    changes: dict[str, Any] = {}
+    if data.get("batch_id") != batch_id:
+        changes["batch_id"] = batch_id
+    if deadline is not None:
+        own = data.get("deadline")
+        if own is None or (isinstance(own, int | float) and not isinstance(own, bool)
+                           and own > deadline):
+            changes["deadline"] = deadline
+    return {**data, **changes} if changes else None
+
+
+def job_items(f: IO[bytes], batch_id: str,
+              deadline: int | None = None) -> Iterator[tuple[str | None, bytes]]:
+    """Second pass: ``(key, message)`` per non-blank line, ``batch_id`` set on each job and
+    ``deadline`` (unix seconds) on each that has none or a later one."""
     for raw in f:
         body = raw.strip()
         if not body:
@@ -213,7 +279,7 @@ def job_items(f: IO[bytes], batch_id: str) -> Iterator[tuple[str | None, bytes]]
         if isinstance(data, dict):
             if isinstance(data.get("custom_id"), str):
                 key = data["custom_id"]
-            if data.get("batch_id") != batch_id:
-                data["batch_id"] = batch_id
-                body = orjson.dumps(data)
+            stamped = _stamped(data, batch_id, deadline)
+            if stamped is not None:
+                body = orjson.dumps(stamped)
         yield key, body

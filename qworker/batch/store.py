@@ -66,6 +66,10 @@ class BatchStore:
         """Write (or replace) one small object."""
         raise NotImplementedError
 
+    def put_new(self, key: str, body: bytes) -> bool:
+        """Write one small object unless ``key`` exists; False (nothing written) if it does."""
+        raise NotImplementedError
+
     def get_many(self, keys: Iterable[str], workers: int = DEFAULT_WORKERS,
                  window: int | None = None) -> Iterator[tuple[str, bytes | None]]:
         """``(key, bytes or None)`` for each key, in the order given, fetched in parallel."""
@@ -128,6 +132,18 @@ class S3Store(BatchStore):
         self.client.put_object(Bucket=self.bucket, Key=key, Body=body,
                                ContentType="application/json")
 
+    def put_new(self, key: str, body: bytes) -> bool:
+        """PUT with ``IfNoneMatch="*"``: S3 answers 412 (or 409 for a racing put) if it exists."""
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=key, Body=body, IfNoneMatch="*",
+                                   ContentType="application/json")
+        except Exception as exc:
+            code = str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))
+            if code in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
+                return False
+            raise
+        return True
+
 
 class DirStore(BatchStore):
     """A ``file://`` results directory (the worker's file sink)."""
@@ -159,6 +175,20 @@ class DirStore(BatchStore):
         tmp = target.parent / f".tmp-{uuid.uuid4().hex}"
         tmp.write_bytes(body)
         os.replace(tmp, target)
+
+    def put_new(self, key: str, body: bytes) -> bool:
+        """Write a temporary file and hard-link it into place: the link fails if it exists."""
+        target = self.root / key
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.parent / f".tmp-{uuid.uuid4().hex}"
+        tmp.write_bytes(body)
+        try:
+            os.link(tmp, target)
+        except FileExistsError:
+            return False
+        finally:
+            tmp.unlink()
+        return True
 
 
 def open_store(uri: str, settings: Any, workers: int = DEFAULT_WORKERS) -> BatchStore:

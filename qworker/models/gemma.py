@@ -42,6 +42,7 @@ from qworker.models.base import CausalLM, ModelSpec
 from qworker.models.layers import FusedLinear, Linear, activation
 from qworker.models.ops import gated_act, linear, rotate_qk
 from qworker.models.rope import RotaryEmbedding, original_max_positions, rope_parameters
+from qworker.models.tp_plan import ShardKind, ShardRule, TPPlan
 from qworker.models.weights import StackedRule, check_all_loaded, load_weights
 
 logger = logging.getLogger(__name__)
@@ -256,6 +257,17 @@ class Gemma2ForCausalLM(CausalLM):
         (".gate_proj.", ".gate_up_proj.", "gate"),
         (".up_proj.", ".gate_up_proj.", "up"),
     ]
+    #: Llama's split (docs/tensor_parallel.md). The extra norms, q/k norms and soft-caps
+    #: are element-wise and replicated; the embedding scale multiplies the embedding's
+    #: all-reduced output, as the model scales the lookup.
+    tp_plan: ClassVar[TPPlan] = {
+        "model.embed_tokens": ShardRule(ShardKind.VOCAB_EMBEDDING),
+        "model.layers.*.self_attn.qkv_proj": ShardRule(ShardKind.QKV),
+        "model.layers.*.self_attn.o_proj": ShardRule(ShardKind.ROW),
+        "model.layers.*.mlp.gate_up_proj": ShardRule(ShardKind.COLUMN, "intermediate_size"),
+        "model.layers.*.mlp.down_proj": ShardRule(ShardKind.ROW, "intermediate_size"),
+        "lm_head": ShardRule(ShardKind.VOCAB_HEAD),
+    }
     #: Gemma 2 soft-caps attention scores; Gemma 3 has q/k norms and per-type RoPE; the
     #: multimodal Gemma 3 model of transformers does not soft-cap its logits.
     attention_soft_cap: ClassVar[bool] = True

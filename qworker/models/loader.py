@@ -6,7 +6,8 @@ so at most one checkpoint tensor exists beside the model. Only safetensors and G
 are read: pickled checkpoints (``.bin``/``.pt``) are refused, and no remote code runs.
 With a ``shard`` (tensor parallelism) the model is split on the meta device first
 (``qworker.models.tp_plan``) and each safetensors tensor reaches it unread, so a rank
-reads only its slice; a GGUF tensor is dequantized whole, then sliced.
+reads only its slice; a GGUF tensor is dequantized whole, then sliced. FP8 weights
+split the same way, their scales sliced with them (``qworker.models.quant``).
 """
 
 from __future__ import annotations
@@ -164,14 +165,17 @@ def load_model(
 
 
 def check_tensor_parallel(path: str | os.PathLike[str], world_size: int, *,
-                          cache_dir: Path | None = None) -> Path:
+                          cache_dir: Path | None = None, quantization: str = "auto") -> Path:
     """Fetch ``path`` once (s3://, hub) and check its model splits over ``world_size`` ranks
-    (``TensorParallelConfigError`` naming the field otherwise); returns the local path
-    every rank then loads. Builds the model on the meta device: no weight is read."""
+    (``TensorParallelConfigError`` naming the field otherwise, FP8 block scales included
+    under ``quantization``); returns the local path every rank then loads. Builds the
+    model on the meta device: no weight is read (FP8 names from the headers)."""
     from qworker.models.tp_plan import shard_model
 
     local = resolve_source(path, cache_dir)
     gguf = _find_gguf(local)
+    quant: QuantizedLoad | None = None
+    meta = torch.device("meta")
     if gguf is not None:
         from qworker.models.gguf import load_gguf_config
 
@@ -183,8 +187,13 @@ def check_tensor_parallel(path: str | os.PathLike[str], world_size: int, *,
         raw = _read_json(local / "config.json", what="config.json")
         architecture = resolve_architecture(raw)
         config = _parse_config(local, raw)
-    with torch.device("meta"):
-        shard_model(model_class(architecture)(config), ShardInfo(0, world_size))
+        quant = plan_quantization(raw, quantization, torch.float32, meta,
+                                  _safetensors_files(local))
+    with meta:
+        model = model_class(architecture)(config)
+        shard_model(model, ShardInfo(0, world_size))
+        if quant is not None:
+            quant.prepare(model)
     return local
 
 
@@ -234,23 +243,9 @@ def _parse_config(local: Path, raw: dict[str, Any]) -> Any:
         raise ModelLoadError(f"cannot parse {local / 'config.json'}: {exc}") from exc
 
 
-def _refuse_quantized_shards(quant: QuantizedLoad | None) -> None:
-    """Tensor parallelism does not slice FP8 weights and their scales yet
-    (docs/tensor_parallel.md): refused in one line, never loaded wrongly."""
-    if quant is not None:
-        from qworker.models.tp_plan import TensorParallelConfigError
-
-        raise TensorParallelConfigError(
-            "tensor_parallel_size > 1 with FP8 weights (quantization_config or "
-            "quantization='fp8') is not supported yet; use tensor_parallel_size=1 or a "
-            "bf16/fp16 checkpoint with quantization='none'")
-
-
 def _build(architecture: str, config: Any, dtype: torch.dtype, device: torch.device,
            quant: QuantizedLoad | None = None, shard: ShardInfo | None = None) -> CausalLM:
     cls = model_class(architecture)
-    if shard is not None:
-        _refuse_quantized_shards(quant)
     with torch.device("meta"):
         model = cls(config, dtype)
         if shard is not None:

@@ -12,6 +12,12 @@ The expert weights are stored fused, as transformers 5 holds them in memory:
 ``experts.down_proj`` ``[E, hidden, inter]``. Checkpoints name them per expert
 (Mixtral's ``experts.N.w1/w3/w2``, Qwen's ``experts.N.gate_proj/up_proj/down_proj``)
 or fused; ``FusedExperts.load`` takes both (docs/moe.md).
+
+Under tensor parallelism (docs/tensor_parallel.md) each rank holds every expert's slice
+``inter_range`` of the intermediate dimension (gate/up rows, down columns;
+``checkpoint_slice`` reads only those), computes the same routing and its partial
+expert outputs, and the block sums them (with the shared expert's partial) in one
+all-reduce.
 """
 
 from __future__ import annotations
@@ -22,9 +28,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from qworker.models.checkpoint_tensor import (
+    Readable,
+    read_all,
+    read_cols,
+    read_narrow,
+    read_rows,
+)
 from qworker.models.layers import FusedLinear, Linear
 from qworker.models.moe_exec import run_experts
 from qworker.models.ops import gated_act
+from qworker.models.parallel_layers import RowRange, ShardInfo
 
 #: The parts of one expert a per-expert checkpoint tensor can fill.
 EXPERT_PARTS = ("gate", "up", "down")
@@ -65,15 +79,19 @@ class FusedExperts(nn.Module):
 
     ``load`` copies one checkpoint tensor (a whole fused parameter, or one part of one
     expert) into place; ``complete`` says which parameters every part has reached.
+    ``inter_range``: the checkpoint's intermediate rows this tensor-parallel rank holds
+    (``inter`` of them); None holds them all.
     """
 
     def __init__(self, num_experts: int, hidden: int, inter: int,
-                 act: Callable[[torch.Tensor], torch.Tensor]) -> None:
+                 act: Callable[[torch.Tensor], torch.Tensor],
+                 inter_range: RowRange | None = None) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.hidden = hidden
         self.inter = inter
         self.act = act
+        self.inter_range = inter_range
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
         self._seen: dict[str, set[tuple[int, str]]] = {"gate_up_proj": set(), "down_proj": set()}
@@ -106,6 +124,26 @@ class FusedExperts(nn.Module):
         target.copy_(tensor)
         self._seen[name].add((expert, part))
         return name
+
+    def checkpoint_slice(self, part: str, tensor: Readable, fused: bool) -> torch.Tensor:
+        """This rank's slice of checkpoint tensor ``tensor`` (reading only it) for ``load``:
+        ``part`` as ``load`` takes it, ``fused`` for a whole fused parameter."""
+        rng = self.inter_range
+        if rng is None:
+            return read_all(tensor)
+        shape = tuple(tensor.shape)
+        if part in ("down", "down_proj"):
+            dim = 2 if fused else 1
+            self._check(f"{part} intermediate size", shape[dim:dim + 1], (rng.total,))
+            return (read_narrow(tensor, 2, rng.start, rng.stop) if fused
+                    else read_cols(tensor, rng.start, rng.stop))
+        if fused:  # gate_up_proj [E, 2I, H]: this rank's gate rows, then its up rows
+            self._check(f"{part} rows", shape[1:2], (2 * rng.total,))
+            return torch.cat([read_narrow(tensor, 1, rng.start, rng.stop),
+                              read_narrow(tensor, 1, rng.total + rng.start,
+                                          rng.total + rng.stop)], dim=1)
+        self._check(f"{part} rows", shape[:1], (rng.total,))
+        return read_rows(tensor, rng.start, rng.stop)
 
     @staticmethod
     def _check(what: str, got: tuple[int, ...], want: tuple[int, ...]) -> None:
@@ -142,7 +180,10 @@ class GatedMLP(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     """Router + experts (+ Qwen2-MoE's sigmoid-gated shared expert), transformers' names:
-    ``gate`` (the router), ``experts``, ``shared_expert``, ``shared_expert_gate``."""
+    ``gate`` (the router), ``experts``, ``shared_expert``, ``shared_expert_gate``.
+
+    ``shard`` (set by ``qworker.models.tp_plan``): the experts and the shared expert
+    return this rank's partial sums; their combination is all-reduced once."""
 
     def __init__(self, hidden: int, inter: int, router: RouterSpec,
                  act: Callable[[torch.Tensor], torch.Tensor],
@@ -156,6 +197,7 @@ class SparseMoeBlock(nn.Module):
         if shared_inter:
             self.shared_expert = GatedMLP(hidden, shared_inter, act)
             self.shared_expert_gate = Linear(hidden, 1, bias=False)
+        self.shard: ShardInfo | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The block's output for ``[num_tokens, hidden]``."""
@@ -163,5 +205,7 @@ class SparseMoeBlock(nn.Module):
         out = self.experts(x, weights, ids)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self.shard is not None:
+            out = self.shard.all_reduce(out)
         return out
 

@@ -32,6 +32,7 @@ from qworker.models.layers import activation
 from qworker.models.llama import LlamaForCausalLM, LlamaMLP
 from qworker.models.moe import FusedExperts, RouterSpec, SparseMoeBlock
 from qworker.models.moe_exec import moe_graph_safe
+from qworker.models.tp_plan import ShardKind, ShardRule, TPPlan
 from qworker.models.weights import check_all_loaded, load_weights
 
 _PER_EXPERT = re.compile(
@@ -118,15 +119,44 @@ class MoeForCausalLM(LlamaForCausalLM):
             _, module = self._experts_at(match["layer"], name, seen)
             try:
                 if per_expert:
-                    module.load(_PARTS[match["proj"]], tensor, int(match["expert"]))
+                    part = _PARTS[match["proj"]]
+                    module.load(part, module.checkpoint_slice(part, tensor, False),
+                                int(match["expert"]))
                 else:
-                    module.load(match["param"], tensor)
+                    part = match["param"]
+                    module.load(part, module.checkpoint_slice(part, tensor, True))
             except ValueError as exc:
                 raise ModelLoadError(f"checkpoint tensor {name!r}: {exc}") from exc
 
 
+def _moe_plan(expert_field: str, shared: bool = False) -> TPPlan:
+    """Llama's attention, embedding and head split; experts split by their intermediate
+    dimension, routers replicated; dense MLPs (``mlp_only_layers``) as Llama's; the
+    shared expert column/row split, its partial summed in the block's one all-reduce."""
+    plan = {p: r for p, r in LlamaForCausalLM.tp_plan.items() if ".mlp." not in p}
+    plan.update({
+        "model.layers.*.mlp.gate_up_proj": ShardRule(ShardKind.COLUMN, "intermediate_size",
+                                                     optional=True),
+        "model.layers.*.mlp.down_proj": ShardRule(ShardKind.ROW, "intermediate_size",
+                                                  optional=True),
+        "model.layers.*.mlp.experts": ShardRule(ShardKind.EXPERTS, expert_field,
+                                                optional=True),
+    })
+    if shared:
+        field = "shared_expert_intermediate_size"
+        plan.update({
+            "model.layers.*.mlp.shared_expert.gate_up_proj": ShardRule(
+                ShardKind.COLUMN, field, optional=True),
+            "model.layers.*.mlp.shared_expert.down_proj": ShardRule(
+                ShardKind.ROW, field, optional=True, partial=True),
+        })
+    return plan
+
+
 class MixtralForCausalLM(MoeForCausalLM):
     """Mixtral: every layer sparse, top-k renormalised, fp32 routing weights."""
+
+    tp_plan = _moe_plan("intermediate_size")
 
     def moe_block(self, config: Any, layer_idx: int) -> SparseMoeBlock | None:
         """Every layer's sparse block."""
@@ -141,6 +171,7 @@ class Qwen2MoeForCausalLM(MoeForCausalLM):
     sigmoid-gated shared expert."""
 
     has_shared_expert = True
+    tp_plan = _moe_plan("moe_intermediate_size", shared=True)
 
     def moe_block(self, config: Any, layer_idx: int) -> SparseMoeBlock | None:
         """The sparse block where transformers' Qwen MoE decoder layer puts one."""
@@ -161,3 +192,4 @@ class Qwen3MoeForCausalLM(Qwen2MoeForCausalLM):
     """Qwen3-MoE: Qwen2-MoE's layer placement and router, no shared expert, q/k norms."""
 
     has_shared_expert = False
+    tp_plan = _moe_plan("moe_intermediate_size")

@@ -180,19 +180,28 @@ class ColumnParallelLinear(nn.Module):
 
 class RowParallelLinear(nn.Module):
     """A linear layer whose input features are split over the ranks (``cols``), summed by
-    one all-reduce; the bias (replicated) is added once, after the sum."""
+    one all-reduce; the bias (replicated) is added once, after the sum.
 
-    def __init__(self, cols: RowRange, out_features: int, bias: bool, shard: ShardInfo) -> None:
+    ``reduce=False``: the forward returns this rank's partial sum (the bias on rank 0
+    only) and the enclosing block sums it with its own partials in one all-reduce
+    (Qwen2-MoE's shared expert beside the experts, ``qworker.models.moe``)."""
+
+    def __init__(self, cols: RowRange, out_features: int, bias: bool, shard: ShardInfo,
+                 reduce: bool = True) -> None:
         super().__init__()
         self.cols = cols
         self.shard = shard
+        self.reduce = reduce
         self.in_features = cols.size
         self.out_features = out_features
         self.weight = nn.Parameter(torch.empty(out_features, cols.size))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``sum over ranks (x_r @ W_r.T) + b`` (every rank gets the sum)."""
+        """``sum over ranks (x_r @ W_r.T) + b`` (every rank gets the sum); without
+        ``reduce`` this rank's term of that sum."""
+        if not self.reduce:
+            return linear(x, self.weight, self.bias if self.shard.rank == 0 else None)
         out = self.shard.all_reduce(linear(x, self.weight))
         if self.bias is not None:
             out = out + self.bias
@@ -241,6 +250,3 @@ class VocabParallelEmbedding(nn.Embedding):
             _copy_rows(self.weight.data, read_rows(tensor, self.rows.start, self.rows.stop),
                        self.rows, kind)
 
-
-#: The modules whose parameters load through ``load_checkpoint`` (a slice each).
-SHARDED_MODULES = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)

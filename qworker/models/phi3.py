@@ -10,14 +10,27 @@
   head rotates.
 
 A config's ``sliding_window`` applies to every layer, as in transformers' Phi-3.
+
+Tensor parallelism splits it as Llama (docs/tensor_parallel.md); each rank reads its
+rows of every part of the fused checkpoint tensors (``fused_checkpoint``).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import ClassVar
+
 from qworker.models.llama import LlamaForCausalLM
+from qworker.models.tp_plan import TPPlan
+
+_FUSED = (".qkv_proj", ".gate_up_proj")
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
     """Phi-3 / Phi-4 causal LM over a paged KV cache (see the module docstring)."""
 
     partial_rotary = True
+    tp_plan: ClassVar[TPPlan] = {
+        pattern: replace(rule, fused_checkpoint=pattern.endswith(_FUSED))
+        for pattern, rule in LlamaForCausalLM.tp_plan.items()
+    }

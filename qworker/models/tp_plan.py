@@ -8,9 +8,12 @@ and loads only its slice. Every other module (norms, rotary tables, OPT's projec
 is replicated. Attention modules learn their per-rank head counts here, and so does the
 model's ``spec`` (the KV pool and the kernels' launch plans are per rank).
 
-A new architecture slots in by declaring its plan; a kind of layer not covered here
-(MoE experts, FP8 scales) adds a ``ShardKind`` and its constructor below (docs/
-operations.md, "Tensor parallelism").
+A new architecture slots in by declaring its plan; a new kind of layer adds a
+``ShardKind`` and its constructor below (docs/tensor_parallel.md). MoE experts are
+split by their intermediate dimension (``EXPERTS``): every rank routes every token the
+same way, computes its partial expert outputs, and the block sums them in one
+all-reduce. FP8 layers are made from the sharded ones afterwards
+(``qworker.models.quant.prepare``), their scales sliced with their weights.
 """
 
 from __future__ import annotations
@@ -49,17 +52,26 @@ class ShardKind(Enum):
     VOCAB_EMBEDDING = "vocab_embedding"
     #: LM head: vocabulary rows split, logits gathered on rank 0 by the model runner.
     VOCAB_HEAD = "vocab_head"
+    #: A MoE block's stacked experts: every expert's intermediate dimension split (w1/w3
+    #: rows, w2 columns); the enclosing ``SparseMoeBlock`` all-reduces its output once.
+    EXPERTS = "experts"
 
 
 @dataclass(frozen=True, slots=True)
 class ShardRule:
     """One entry of a plan: the kind of split, the config field a divisibility error
     names (``intermediate_size``, ``ffn_dim``, ...), and whether the checkpoint stores a
-    fused projection's parts in one tensor (Phi-3's ``qkv_proj`` / ``gate_up_proj``)."""
+    fused projection's parts in one tensor (Phi-3's ``qkv_proj`` / ``gate_up_proj``).
+
+    ``optional``: the pattern may match no module (a MoE model's dense MLPs, present only
+    in its ``mlp_only_layers``). ``partial`` (ROW only): the layer leaves its partial sum
+    to the enclosing block's one all-reduce (Qwen2-MoE's shared expert)."""
 
     kind: ShardKind
     field: str = ""
     fused_checkpoint: bool = False
+    optional: bool = False
+    partial: bool = False
 
 
 #: A model class's plan: module-name pattern -> rule.
@@ -101,7 +113,7 @@ def shard_model(model: Any, shard: ShardInfo) -> None:
             heads = heads or local_heads
             setattr(parent, child, replacement)
             break
-    missing = [p for _, p, _ in patterns if p not in matched]
+    missing = [p for _, p, rule in patterns if p not in matched and not rule.optional]
     if missing:
         raise ModelLoadError(f"{type(model).__name__}'s tensor-parallel plan names modules "
                              f"it does not have: {', '.join(missing)}")
@@ -121,7 +133,9 @@ def _parallel(rule: ShardRule, name: str, module: nn.Module, parent: nn.Module,
         in_features, out_features = _linear_shape(name, module)
         _check_even(in_features, n, rule.field or f"{name} input features")
         return RowParallelLinear(even_range(in_features, rank, n), out_features,
-                                 module.bias is not None, shard), None
+                                 module.bias is not None, shard, reduce=not rule.partial), None
+    if kind is ShardKind.EXPERTS:
+        return _experts(rule, name, module, parent, shard), None
     if kind is ShardKind.COLUMN:
         in_features, out_features = _linear_shape(name, module)
         sizes = dict(getattr(module, "shards", None) or {"": out_features})
@@ -174,6 +188,22 @@ def _qkv(rule: ShardRule, name: str, module: nn.Module, parent: nn.Module,
     if hasattr(parent, "num_kv_heads"):
         parent.num_kv_heads = local_kv
     return replacement, (local_q, local_kv)
+
+
+def _experts(rule: ShardRule, name: str, module: nn.Module, parent: nn.Module,
+             shard: ShardInfo) -> nn.Module:
+    """Rank ``shard.rank``'s slice of every expert (``FusedExperts`` of ``I / N`` rows);
+    the parent ``SparseMoeBlock`` learns to all-reduce its output."""
+    from qworker.models.moe import FusedExperts, SparseMoeBlock
+
+    if type(module) is not FusedExperts or not isinstance(parent, SparseMoeBlock):
+        raise ModelLoadError(f"tensor-parallel plan: {name} is not the experts of a MoE block")
+    n = shard.world_size
+    _check_even(module.inter, n, rule.field or f"{name} intermediate size")
+    sliced = FusedExperts(module.num_experts, module.hidden, module.inter // n, module.act,
+                          inter_range=even_range(module.inter, shard.rank, n))
+    parent.shard = shard
+    return sliced
 
 
 def _linear_shape(name: str, module: nn.Module) -> tuple[int, int]:

@@ -17,10 +17,15 @@ from torch import nn
 from qworker.errors import ModelLoadError
 from qworker.models.checkpoint_tensor import Readable, read_all
 from qworker.models.layers import FusedLinear
-from qworker.models.parallel_layers import SHARDED_MODULES
 
 # (fragment in the checkpoint name, fragment of the fused module name, shard name)
 StackedRule = tuple[str, str, str]
+
+
+def _sharded(module: object) -> bool:
+    """A tensor-parallel slice (``qworker.models.parallel_layers``, or its FP8 form in
+    ``qworker.models.quant.fp8_parallel``): it reads its own slice of each tensor."""
+    return callable(getattr(module, "load_checkpoint", None))
 
 
 def load_weights(
@@ -48,10 +53,10 @@ def load_weights(
             fused_name = name.replace(ckpt_frag, fused_frag)
             module_name, _, kind = fused_name.rpartition(".")
             module = modules.get(module_name)
-            if not isinstance(module, (FusedLinear, *SHARDED_MODULES)):
+            if not (isinstance(module, FusedLinear) or _sharded(module)):
                 raise ModelLoadError(f"checkpoint tensor {name!r} has no place in the model")
             try:
-                if isinstance(module, SHARDED_MODULES):
+                if _sharded(module):
                     module.load_checkpoint(shard, kind, tensor)
                 else:
                     module.load_shard(shard, kind, read_all(tensor))
@@ -64,7 +69,7 @@ def load_weights(
             break
         else:
             owner = modules.get(name.rpartition(".")[0])
-            if isinstance(owner, SHARDED_MODULES) and name in params:
+            if _sharded(owner) and name in params:
                 try:
                     owner.load_checkpoint(None, name.rpartition(".")[2], tensor)
                 except (KeyError, ValueError) as exc:

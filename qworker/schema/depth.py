@@ -9,6 +9,7 @@ functions here are iterative: the value may be as deep as the parser allows.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 #: Deepest nesting of a job (body, schemas, choices, content parts included).
@@ -20,45 +21,62 @@ def nesting_depth(value: Any, stop_above: int | None = None) -> int:
 
     With ``stop_above``, returns as soon as a level above it is found.
     """
-    deepest, stack = 0, [(value, 1)]
+    if not isinstance(value, dict | list):
+        return 0
+    deepest, stack = 1, [_containers_in(value)]
     while stack:
-        item, level = stack.pop()
-        if not isinstance(item, dict | list):
-            continue
-        deepest = max(deepest, level)
-        if stop_above is not None and deepest > stop_above:
-            return deepest
-        stack.extend((child, level + 1) for child in
-                     (item.values() if isinstance(item, dict) else item)
-                     if isinstance(child, dict | list))
+        for child in stack[-1]:
+            stack.append(_containers_in(child))
+            deepest = max(deepest, len(stack))
+            if stop_above is not None and deepest > stop_above:
+                return deepest
+            break
+        else:
+            stack.pop()
     return deepest
 
 
 def deep_field(value: Any, limit: int) -> str | None:
     """The field of a parsed message that is nested deeper than ``limit`` levels, or None.
 
-    Iterative (the value may be 1,024 levels deep). The field is named as far as a user
-    would look for it: ``body.<field>``, plus the index and key inside a list of objects
-    (``body.messages[2].content``); a top-level field by its name.
+    Iterative (the value may be 1,024 levels deep), in memory that grows with the depth,
+    not the width (a list of 100,000 empty lists holds one iterator, not 100,000 entries).
+    The field is named as far as a user would look for it: ``body.<field>``, plus the
+    index and key inside a list of objects (``body.messages[2].content``); a top-level
+    field by its name.
     """
-    stack: list[tuple[Any, int, tuple[str | int, ...]]] = [(value, 1, ())]
+    if not isinstance(value, dict | list):
+        return None
+    if limit < 1:
+        return _field_name(())
+    stack: list[tuple[Iterator[tuple[str | int, Any]], tuple[str | int, ...]]] = [
+        (_keyed_containers_in(value), ())]
     while stack:
-        item, level, path = stack.pop()
-        if level > limit:
-            return _field_name(path)
-        keep = len(path) < 5
-        if isinstance(item, dict):
-            values: Any = item.values()
-            keys: Any = item.keys()
+        children, path = stack[-1]
+        for key, child in children:
+            child_path = (*path, key) if len(path) < 5 else path
+            if len(stack) + 1 > limit:
+                return _field_name(child_path)
+            stack.append((_keyed_containers_in(child), child_path))
+            break
         else:
-            values, keys = item, range(len(item))
-        # A long list of scalars (token ids) is skipped at C speed: no per-item Python.
-        if len(item) > 16 and not _CONTAINERS & set(map(type, values)):
-            continue
-        for key, child in zip(keys, values, strict=True):
-            if isinstance(child, dict | list):
-                stack.append((child, level + 1, (*path, key) if keep else path))
+            stack.pop()
     return None
+
+
+def _keyed_containers_in(item: dict[str, Any] | list[Any]) -> Iterator[tuple[str | int, Any]]:
+    """``(key or index, child)`` of the arrays and objects directly in ``item``."""
+    values: Any = item.values() if isinstance(item, dict) else item
+    # A long list of scalars (token ids) is skipped at C speed: no per-item Python.
+    if len(item) > 16 and not _CONTAINERS & set(map(type, values)):
+        return iter(())
+    keys: Any = item.keys() if isinstance(item, dict) else range(len(item))
+    return ((k, v) for k, v in zip(keys, values, strict=True) if isinstance(v, dict | list))
+
+
+def _containers_in(item: dict[str, Any] | list[Any]) -> Iterator[Any]:
+    """The arrays and objects directly in ``item``."""
+    return (child for _, child in _keyed_containers_in(item))
 
 
 _CONTAINERS = frozenset({dict, list})

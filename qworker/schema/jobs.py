@@ -25,8 +25,13 @@ from qworker.schema.structured import structured_outputs
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
+RESPONSES_URL = "/v1/responses"
+EMBEDDINGS_URL = "/v1/embeddings"
 MAX_N = 128
 MAX_METADATA_DEPTH = 32
+#: Values (at any depth) in a job's ``metadata``: it is copied into every record, and
+#: serializing a JSON array costs the encoder ~300 bytes per item for a moment.
+MAX_METADATA_VALUES = 1024
 # Caps that keep one request from costing the worker out of proportion (docs/formats.md):
 MAX_CUSTOM_ID_BYTES = 4096
 MAX_STOP_STRINGS = 16  # every stop string is checked against every generated token
@@ -61,20 +66,25 @@ class JobKind(Enum):
 
     CHAT = "chat"
     COMPLETION = "completion"
+    EMBEDDING = "embedding"
+    RESPONSES = "responses"  # a chat job answered with a Response object (schema/responses.py)
 
 
 @dataclass(slots=True)
 class Job:
     """A validated job: what to generate and how to answer it.
 
-    Exactly one of ``messages`` (chat) and ``prompt`` (completion) is set.
-    ``top_logprobs`` is the number of alternatives per token to report when
-    ``want_logprobs``; ``deadline`` is unix seconds.
+    Exactly one of ``messages`` (chat, responses), ``prompt`` (completion) and ``inputs``
+    (embedding: its ``encoding_format`` and ``dimensions`` beside it; ``params`` unused)
+    is set. ``top_logprobs`` is the number of alternatives per token to report when
+    ``want_logprobs``; ``deadline`` is unix seconds. ``model`` is ``body.model`` as
+    given (None when absent), checked against what the worker serves when prepared.
     """
 
     custom_id: str
     kind: JobKind
     params: SamplingParams
+    model: str | None = None
     messages: list[dict[str, str]] | None = None
     prompt: str | list[int] | None = None
     batch_id: str | None = None
@@ -82,6 +92,11 @@ class Job:
     metadata: dict[str, Any] | None = None
     want_logprobs: bool = False
     top_logprobs: int = 0
+    inputs: list[str | list[int]] | None = None
+    encoding_format: str = "float"
+    dimensions: int | None = None
+    #: Responses jobs: the request fields their ``Response`` object echoes back.
+    echo: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -195,37 +210,60 @@ def _validate(data: dict[str, Any], custom_id: str) -> Job:
         raise InvalidRequestError(f"metadata must be an object, got {_describe(metadata)}")
     if metadata is not None and _depth(metadata) > MAX_METADATA_DEPTH:
         raise InvalidRequestError(f"metadata is nested deeper than {MAX_METADATA_DEPTH} levels")
+    if metadata is not None and _more_values_than(metadata, MAX_METADATA_VALUES):
+        raise InvalidRequestError(f"metadata holds more than {MAX_METADATA_VALUES} values")
     method = data.get("method", "POST")
     if method != "POST":
         raise InvalidRequestError(f'method must be "POST", got {_describe(method)}')
     url = data.get("url")
-    if url not in (CHAT_URL, COMPLETIONS_URL):
+    if url not in (CHAT_URL, COMPLETIONS_URL, RESPONSES_URL, EMBEDDINGS_URL):
         raise InvalidRequestError(
-            f"url must be {CHAT_URL} or {COMPLETIONS_URL}, got {_describe(url)}"
+            f"url must be {CHAT_URL}, {COMPLETIONS_URL}, {RESPONSES_URL} or {EMBEDDINGS_URL}, "
+            f"got {_describe(url)}"
         )
     body = data.get("body")
     if not isinstance(body, dict):
         raise InvalidRequestError(f"body must be an object, got {_describe(body)}")
+    deadline_s = float(deadline) if deadline is not None else None
+    if url == RESPONSES_URL:  # its own fields and refusals (docs/formats.md, "Responses jobs")
+        from qworker.schema.responses import responses_job
+
+        return responses_job(custom_id, body, batch_id, deadline_s, metadata)
     for name, harmless in _UNSUPPORTED.items():
-        if name in body and not harmless(body[name]):
+        if url != EMBEDDINGS_URL and name in body and not harmless(body[name]):
             raise InvalidRequestError(
                 f"body.{name}={_short(body[name])} is not supported by qworker"
             )
-    kind = JobKind.CHAT if url == CHAT_URL else JobKind.COMPLETION
+    kind = {CHAT_URL: JobKind.CHAT, EMBEDDINGS_URL: JobKind.EMBEDDING}.get(url,
+                                                                          JobKind.COMPLETION)
     job = Job(
         custom_id=custom_id,
         kind=kind,
         params=SamplingParams(),
+        model=job_model(body),
         batch_id=batch_id,
-        deadline=float(deadline) if deadline is not None else None,
+        deadline=deadline_s,
         metadata=metadata,
     )
+    if kind is JobKind.EMBEDDING:
+        from qworker.schema.embeddings import embedding_fields  # it imports this module
+
+        job.inputs, job.encoding_format, job.dimensions = embedding_fields(body)
+        return job
     if kind is JobKind.CHAT:
         job.messages = _messages(body.get("messages"))
     else:
         job.prompt = _prompt(body.get("prompt"))
     job.params, job.want_logprobs, job.top_logprobs = _sampling(body, kind)
     return job
+
+
+def job_model(body: dict[str, Any]) -> str | None:
+    """``body.model``: a non-empty string, or None when the body has none (every job kind)."""
+    model = body.get("model")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise InvalidRequestError(f"body.model must be a non-empty string, got {_describe(model)}")
+    return model
 
 
 def _messages(value: Any) -> list[dict[str, str]]:
@@ -410,6 +448,20 @@ def _depth(value: Any) -> int:
     return deepest
 
 
+def _more_values_than(value: dict[str, Any] | list[Any], limit: int) -> bool:
+    """Whether ``value`` holds more than ``limit`` values at any depth (iterative; stops
+    counting as soon as it knows)."""
+    count, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        count += len(item)
+        if count > limit:
+            return True
+        stack.extend(child for child in (item.values() if isinstance(item, dict) else item)
+                     if isinstance(child, dict | list))
+    return False
+
+
 def _json_type(value: Any) -> str:
     if value is None:
         return "null"
@@ -433,8 +485,37 @@ def _describe(value: Any) -> str:
 
 
 def _short(value: Any) -> str:
+    """At most 60 characters of ``value``'s JSON, from a preview of its first values: the
+    whole value may be a 100,000-item array (serializing it costs ~300 bytes an item)."""
+    budget = [_PREVIEW_VALUES]
     try:
-        text = orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
+        text = orjson.dumps(_preview(value, budget), option=orjson.OPT_NON_STR_KEYS).decode()
     except (TypeError, orjson.JSONEncodeError):
         text = f"<{_json_type(value)} too deeply nested>"
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+#: Values a preview keeps: each is at least 2 characters of JSON, so a cut preview is
+#: always longer than the 60 characters shown (and shown with "...").
+_PREVIEW_VALUES = 40
+
+
+def _preview(value: Any, budget: list[int]) -> Any:
+    """``value`` with only its first ``budget[0]`` values at any depth (depth-first)."""
+    if not isinstance(value, dict | list) or budget[0] <= 0:
+        return value if not isinstance(value, dict | list) else type(value)()
+    if isinstance(value, dict):
+        out: dict[Any, Any] = {}
+        for key, child in value.items():
+            if budget[0] <= 0:
+                break
+            budget[0] -= 1
+            out[key] = _preview(child, budget)
+        return out
+    items = []
+    for child in value:
+        if budget[0] <= 0:
+            break
+        budget[0] -= 1
+        items.append(_preview(child, budget))
+    return items

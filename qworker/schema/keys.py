@@ -17,6 +17,9 @@ MAX_SAFE_BYTES = 200
 _HASH_MARK = "sha256-"
 _SAFE = re.compile(rb"[A-Za-z0-9._-]")
 MANIFEST_NAME = "_manifest.json"
+CANCEL_NAME = "_cancel.json"
+COLLECTED_NAME = "_collected.json"
+FAILED_NAME = "_failed.json"
 CONFLICTS_DIR = "_conflicts"
 DEAD_LETTERS_DIR = "_dead_letters"
 
@@ -56,6 +59,21 @@ def batch_folder(prefix: str, batch_id: str | None) -> str:
 def manifest_key(prefix: str, batch_id: str | None) -> str:
     """``<prefix>/<batch>/_manifest.json``, written by ``qworker produce``."""
     return batch_folder(prefix, batch_id) + MANIFEST_NAME
+
+
+def cancel_key(prefix: str, batch_id: str | None) -> str:
+    """``<prefix>/<batch>/_cancel.json``, written once by ``qworker cancel``."""
+    return batch_folder(prefix, batch_id) + CANCEL_NAME
+
+
+def collected_key(prefix: str, batch_id: str | None) -> str:
+    """``<prefix>/<batch>/_collected.json``: where ``qworker collect`` last wrote the batch."""
+    return batch_folder(prefix, batch_id) + COLLECTED_NAME
+
+
+def failed_key(prefix: str, batch_id: str | None) -> str:
+    """``<prefix>/<batch>/_failed.json``: ``qworker produce`` could not send the batch."""
+    return batch_folder(prefix, batch_id) + FAILED_NAME
 
 
 def conflict_key(prefix: str, batch_id: str | None, custom_id: str, fingerprint: str) -> str:

@@ -3,12 +3,15 @@
 Every job ends in exactly one line, shaped as OpenAI's batch output shapes it:
 
 - served: ``response.status_code`` 200 and a ``chat.completion`` / ``text_completion``
-  body (``success_record``);
+  body, a ``response`` one for ``/v1/responses`` jobs, or an embedding job's
+  ``CreateEmbeddingResponse`` (``success_record``);
 - a request error (``invalid_request``, ``context_length_exceeded``,
-  ``duplicate_custom_id``): ``status_code`` 400 and ``body.error {message, type:
-  "invalid_request_error", param, code}``, with ``"error": null``;
+  ``duplicate_custom_id``): ``status_code`` 400 (``model_not_found``: 404) and
+  ``body.error {message, type: "invalid_request_error", param, code}``, with
+  ``"error": null``;
 - an engine failure (``engine_error``): the same with 500 and ``"server_error"``;
-- ``batch_expired``: ``"response": null`` and ``"error": {code, message}``.
+- ``batch_expired`` / ``batch_cancelled``: ``"response": null`` and ``"error": {code,
+  message}``.
 
 ``error_record`` / ``error_record_for`` pick the shape from the code, ``conflict_record``
 builds the ``duplicate_custom_id`` line of a conflict; ``error_of`` and
@@ -29,14 +32,19 @@ import orjson
 
 from qworker.engine.outputs import RequestOutput
 from qworker.errors import QworkerError
+from qworker.schema.embeddings import embedding_body
 from qworker.schema.jobs import Job, JobKind
+from qworker.schema.response_body import response_body
 
-#: Codes written as a 400 ``invalid_request_error`` response (the request is at fault).
+#: Codes written as an ``invalid_request_error`` response (the request is at fault): 400
+#: unless ``REQUEST_ERROR_STATUS`` says otherwise.
 REQUEST_ERROR_CODES = frozenset(
-    {"invalid_request", "context_length_exceeded", "duplicate_custom_id"}
+    {"invalid_request", "context_length_exceeded", "duplicate_custom_id", "model_not_found"}
 )
+#: The HTTP status OpenAI answers these request errors with (docs/formats.md, "Error lines").
+REQUEST_ERROR_STATUS = {"model_not_found": 404}
 #: Codes written as ``"response": null`` with a top-level ``error`` (never reached the model).
-BATCH_ERROR_CODES = frozenset({"batch_expired"})
+BATCH_ERROR_CODES = frozenset({"batch_expired", "batch_cancelled"})
 #: What OpenAI reports as a token's log-probability when it has none.
 MISSING_LOGPROB = -9999.0
 _PARAM = re.compile(r"^body\.([A-Za-z_][A-Za-z0-9_]*(?:\[\d+\]|\.[A-Za-z_][A-Za-z0-9_]*)*)")
@@ -78,8 +86,8 @@ def error_record(
 ) -> dict[str, Any]:
     """The output line of a job that could not be served, shaped by ``code`` (see module).
 
-    Request-error codes give a 400 response, ``batch_expired`` a top-level error, any other
-    code (``engine_error``) a 500 ``server_error`` response.
+    Request-error codes give a 400 response, ``batch_expired`` / ``batch_cancelled`` a
+    top-level error, any other code (``engine_error``) a 500 ``server_error`` response.
     """
     record: dict[str, Any] = {
         "id": f"batch_req_{new_id()}",
@@ -93,7 +101,7 @@ def error_record(
     else:
         request = code in REQUEST_ERROR_CODES
         record["response"] = {
-            "status_code": 400 if request else 500,
+            "status_code": REQUEST_ERROR_STATUS.get(code, 400) if request else 500,
             "request_id": new_request_id(),
             "body": {"error": {
                 "message": message,
@@ -169,13 +177,20 @@ def success_record(
     decode_token: Callable[[int], str] | None = None,
     created: int | None = None,
 ) -> dict[str, Any]:
-    """The output line of a served job: a chat.completion or text_completion body.
+    """The output line of a served job: a chat.completion, text_completion or (responses
+    jobs) response body, or an embedding job's ``CreateEmbeddingResponse``
+    (``embeddings.embedding_body``).
 
     ``decode_token`` turns one token id into its text for logprobs (``token_id:N``
     without it). ``n > 1`` gives one choice per completion, by index.
     """
-    decode = decode_token or (lambda tid: f"token_id:{tid}")
     hex_id = new_id()
+    if job.kind is JobKind.EMBEDDING:
+        return _served_line(job, hex_id, embedding_body(output, model, job.encoding_format,
+                                                        len(job.inputs or ())))
+    if job.kind is JobKind.RESPONSES:
+        return _served_line(job, hex_id, response_body(job, output, model, hex_id, created))
+    decode = decode_token or (lambda tid: f"token_id:{tid}")
     chat = job.kind is JobKind.CHAT
     choices = []
     for comp in sorted(output.outputs, key=lambda c: c.index):
@@ -207,6 +222,11 @@ def success_record(
             "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens},
         },
     }
+    return _served_line(job, hex_id, body)
+
+
+def _served_line(job: Job, hex_id: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The batch output line around a served job's ``body`` (``request_id`` from ``hex_id``)."""
     record: dict[str, Any] = {
         "id": f"batch_req_{new_id()}",
         "custom_id": job.custom_id,

@@ -16,8 +16,11 @@ from qworker.worker.engine_thread import EngineLike
 from qworker.worker.exit_codes import ExitCode
 from qworker.worker.failures import StartupError
 from qworker.worker.metrics import WorkerMetrics
-from qworker.worker.sinks import open_sink, sink_prefix
-from qworker.worker.sources import open_source
+from qworker.worker.outage import Backoff, Outage
+from qworker.worker.retry import Retrier
+from qworker.worker.sinks import Sink, open_sink, sink_prefix
+from qworker.worker.source_start import Started, start_source
+from qworker.worker.sources import Source, open_source
 from qworker.worker.summary import RunSummary
 from qworker.worker.worker import Worker
 
@@ -43,14 +46,18 @@ async def serve(settings: WorkerSettings, pending_signals: list[int] | None = No
                 hard_exit: bool = False) -> tuple[int, RunSummary]:
     """Run one worker until it drains; return (exit code, summary).
 
-    ``/healthz`` answers from the start, ``/readyz`` only once the model is loaded
-    and until the drain begins. A signal during model loading stops after the load;
-    ``pending_signals`` (SIGTERMs that arrived before this) start the drain at once.
+    Order (docs/operations.md, "Startup checks"): the source, its dead-letter target and
+    the sink are checked first, so a missing queue, topic, file or bucket or refused
+    credentials end the run in seconds (exit 1, one line), before the model loads
+    (minutes for a large one). Only then does the engine load and the source start
+    (join its group, begin polling). ``/healthz`` answers from the start, ``/readyz``
+    only once the model is loaded and until the drain begins. A signal during the
+    checks ends the run at once (exit 75), one during model loading after the load;
+    ``pending_signals`` (SIGTERMs that arrived before this) do so before any check.
     ``hard_exit``: a signal arms the process's hard exit (``DrainControl.on_signal``)
     and it stays armed for the process's own exit (the CLI); otherwise it is disarmed
-    when ``serve`` returns (an embedding process goes on).
-    A configuration problem found at start (a missing queue, topic, bucket or model)
-    is logged as one line and returned as exit 1 (docs/operations.md).
+    when ``serve`` returns (an embedding process goes on). The source and the sink are
+    closed on every path (the worker closes them once it runs).
     """
     loop = asyncio.get_running_loop()
     drain = DrainControl(drain_budget(settings.drain_seconds))
@@ -59,6 +66,8 @@ async def serve(settings: WorkerSettings, pending_signals: list[int] | None = No
         drain.on_signal(signum)
     metrics = WorkerMetrics(settings.metrics_max_batches)
     summary = RunSummary()
+    source: Source | None = None
+    sink: Sink | None = None
     try:
         try:
             port = metrics.serve(settings.metrics_port)
@@ -70,10 +79,17 @@ async def serve(settings: WorkerSettings, pending_signals: list[int] | None = No
         try:
             source = open_source(settings.source, settings)
             sink = open_sink(settings.sink, settings)
-            await sink.check()
+            checked = await _check_source(settings, source, drain, metrics)
+            if checked is Started.STARTED:
+                await sink.check()
         except (StartupError, ValueError, OSError) as exc:
             log.error("cannot start: %s", _one_line(exc))
             return ExitCode.CONFIG, summary
+        if checked is Started.DRAINED:
+            log.warning("stop requested during the startup checks: exiting before serving")
+            return ExitCode.DRAINED, summary
+        if checked is Started.UNREACHABLE:
+            return ExitCode.UNAVAILABLE, summary
         log.info("loading model %s", settings.model)
         try:
             engine = await asyncio.to_thread(build_engine, settings)
@@ -96,6 +112,7 @@ async def serve(settings: WorkerSettings, pending_signals: list[int] | None = No
                 log.warning("stop requested while loading: exiting before serving")
                 return ExitCode.DRAINED, worker.summary
             log.info("serving jobs from %s into %s", settings.source, settings.sink)
+            source = sink = None  # from here on the worker closes them, whatever happens
             try:
                 summary = await worker.run()
             except StartupError as exc:
@@ -105,10 +122,32 @@ async def serve(settings: WorkerSettings, pending_signals: list[int] | None = No
         finally:
             engine.close()  # tensor-parallel ranks never outlive the worker
     finally:
+        await _close_unserved(source, sink, drain.budget.close)
         drain.uninstall(loop)
         if not hard_exit:
             drain.disarm()
         metrics.close()
+
+
+async def _check_source(settings: WorkerSettings, source: Source, drain: DrainControl,
+                        metrics: WorkerMetrics) -> Started:
+    """``source.check()`` raced against a drain and retried within the source's outage
+    budget (an unreachable server at start is an outage: exit 69 once it is spent)."""
+    retrier = Retrier(Outage("source", settings.source_outage_seconds, metrics.set_problem),
+                      Backoff(first=0.2, cap=5.0), wake=drain.draining)
+    return await start_source(source, drain, retrier, drain.budget.close, check_only=True)
+
+
+async def _close_unserved(source: Source | None, sink: Sink | None, budget: float) -> None:
+    """Close what was opened but never handed to a running worker (no client left behind
+    to warn "Unclosed ..." at exit); never raises."""
+    for what, closing in (("source", source), ("sink", sink)):
+        if closing is None:
+            continue
+        try:
+            await asyncio.wait_for(closing.close(), max(0.5, budget))
+        except Exception as exc:
+            log.warning("closing the %s failed: %r", what, exc)
 
 
 def _one_line(exc: BaseException) -> str:

@@ -9,6 +9,9 @@ One place decides endpoints, region, timeouts and retries:
   own policy (exponential backoff with full jitter, 412 is a duplicate), and two stacked
   retry loops would multiply the worst-case latency. SQS keeps botocore's "standard" mode
   with a few attempts: its calls are idempotent and the source has no policy of its own.
+- ``auth_error`` turns a refused call at start (unknown key, bad signature, expired
+  token, AccessDenied) into one ``AuthError`` line naming what to check (exit 1,
+  docs/operations.md).
 - boto3 clients are thread-safe; sessions are not, so each client gets its own session.
   Callers run every client call on a thread pool (``run_blocking``), never on the loop.
 """
@@ -22,7 +25,37 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from qworker.worker.failures import (
+    AWS_CREDENTIAL_CODES,
+    AWS_DENIED_CODES,
+    AuthError,
+    auth_failure,
+    aws_error,
+)
+
 T = TypeVar("T")
+
+
+def auth_error(exc: BaseException, what: str) -> AuthError | None:
+    """An ``AuthError`` for ``what`` (e.g. "sqs queue 'jobs'") when AWS refused the call's
+    credentials or permission (in ``exc`` or its causes), else None."""
+    cause = auth_failure(exc)
+    if cause is None:
+        return None
+    if isinstance(cause, AuthError):
+        return cause
+    code, message = aws_error(cause)
+    if not code:
+        code, message = type(cause).__name__, str(cause)
+    detail = f"{code}: {' '.join(message.split())}" if message else code
+    if code in AWS_DENIED_CODES or code in ("403", "Forbidden"):
+        hint = "the credentials are valid but their IAM policy does not allow this call"
+    elif code in AWS_CREDENTIAL_CODES:
+        hint = ("AWS refused the credentials: check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
+                "AWS_SESSION_TOKEN or the role")
+    else:
+        hint = "no usable AWS credentials: set them or give the pod/task a role"
+    return AuthError(f"{what}: {detail} ({hint})")
 
 
 @dataclass(slots=True)

@@ -6,6 +6,10 @@ in every step; ``steps`` is how many steps a request takes, default 1;
 bytes; a request's completion echoes its prompt tokens (at most ``max_tokens``), so
 ``text`` is the prompt text. KV accounting imitates a paged pool of 16-token blocks.
 
+``task=embed`` makes it an embedding engine (``EmbeddingEngine``'s surface): each input
+gets a deterministic unit vector of ``dim`` (default 8) float32 values seeded by its
+token ids (``echo_embedding``), truncated to ``dimensions`` and renormalized when asked.
+
 Faults for the fault campaign (``scripts/chaos.py``): ``fail_rate`` makes a step with
 work raise with that probability (``seed`` seeds it), ``poison=MARK`` makes every step
 raise while a request whose prompt contains ``MARK`` is in the batch (a request that
@@ -15,6 +19,7 @@ breaks the device), ``hang_after=N`` makes the N-th step with work never return.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import random
 import threading
@@ -22,6 +27,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from urllib.parse import parse_qs, urlsplit
+
+import numpy as np
 
 from qworker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from qworker.engine.sampling_params import SamplingParams
@@ -40,6 +47,8 @@ class _EchoRequest:
     metrics: RequestMetrics
     steps_left: int
     aborted: bool = False
+    inputs: list[list[int]] | None = None  # an embedding request's inputs
+    dimensions: int | None = None
 
 
 class EchoEngine:
@@ -62,7 +71,15 @@ class EchoEngine:
         poison: str = "",
         hang_after: int = 0,
         seed: int | None = None,
+        task: str = "generate",
+        dim: int = 8,
+        max_num_batched_tokens: int = 8192,
     ) -> None:
+        if task not in ("generate", "embed"):
+            raise ValueError(f'echo: task must be "generate" or "embed", got {task!r}')
+        self.task = task
+        self.embedding_dim = dim
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.delay_s = delay_ms / 1000.0
         self.fail_rate = fail_rate
         self.poison = poison.encode("utf-8")
@@ -94,10 +111,19 @@ class EchoEngine:
             poison=opts.get("poison", ""),
             hang_after=int(opts.get("hang_after", 0)),
             seed=int(opts["seed"]) if "seed" in opts else None,
+            task=opts.get("task", "generate"),
+            dim=int(opts.get("dim", 8)),
+            max_num_batched_tokens=int(opts.get("max_num_batched_tokens", 8192)),
         )
+
+    def _serves(self, task: str) -> None:
+        if self.task != task:
+            what = "embeddings" if self.task == "embed" else "text generation"
+            raise InvalidRequestError(f"this worker serves {what} (task {self.task!r})")
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """``role: content`` lines as UTF-8 bytes (a stand-in for a chat template)."""
+        self._serves("generate")
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
         return list(text.encode("utf-8"))
 
@@ -105,6 +131,7 @@ class EchoEngine:
         self, prompt: str | list[int], params: SamplingParams
     ) -> tuple[str | None, list[int]]:
         """Like the engine's: ``(text or None, token ids)``; raises on empty or too long."""
+        self._serves("generate")
         params.validate()
         if isinstance(prompt, str):
             token_ids, text = list(prompt.encode("utf-8")), prompt
@@ -142,19 +169,58 @@ class EchoEngine:
         arrival_time: float | None = None,
     ) -> None:
         """Queue a request whose prompt passed ``validate_prompt`` (duplicate ids refused)."""
-        req = _EchoRequest(
+        self._serves("generate")
+        self._queue(_EchoRequest(
             request_id,
             prompt,
             list(prompt_token_ids),
             params,
             RequestMetrics(arrival_time=arrival_time or time.time()),
             self.steps,
-        )
+        ))
+
+    def _queue(self, req: _EchoRequest) -> None:
         with self._lock:
-            if request_id in self._ids:
-                raise InvalidRequestError(f"duplicate request_id {request_id!r}")
-            self._ids.add(request_id)
+            if req.request_id in self._ids:
+                raise InvalidRequestError(f"duplicate request_id {req.request_id!r}")
+            self._ids.add(req.request_id)
             self._inbox.append(req)
+
+    def validate_embedding_input(self, item: str | list[int]) -> list[int]:
+        """One embedding input's token ids (UTF-8 bytes); raises on empty or too long."""
+        self._serves("embed")
+        if isinstance(item, str):
+            token_ids = list(item.encode("utf-8"))
+        else:
+            token_ids = list(item)
+            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < 256]
+            if bad:
+                raise InvalidRequestError(
+                    f"input token ids must be integers in [0, 256); got {bad[:5]!r}")
+        if not token_ids:
+            raise InvalidRequestError("input must not be empty")
+        if len(token_ids) > self.max_model_len:
+            raise ContextLengthExceededError(
+                f"input is {len(token_ids)} tokens; the model takes at most "
+                f"{self.max_model_len}")
+        return token_ids
+
+    def check_dimensions(self, dimensions: int | None) -> None:
+        """Refuse ``dimensions`` outside 1..``embedding_dim`` (None: the full vector)."""
+        self._serves("embed")
+        if dimensions is not None and not 1 <= dimensions <= self.embedding_dim:
+            raise InvalidRequestError(
+                f"dimensions must be between 1 and {self.embedding_dim}, got {dimensions}")
+
+    def add_embedding(self, request_id: str, inputs: list[list[int]],
+                      dimensions: int | None = None, arrival_time: float | None = None) -> None:
+        """Queue an embedding request of validated inputs (thread-safe)."""
+        self._serves("embed")
+        self.check_dimensions(dimensions)
+        self._queue(_EchoRequest(
+            request_id, None, [t for ids in inputs for t in ids], SamplingParams(),
+            RequestMetrics(arrival_time=arrival_time or time.time()), self.steps,
+            inputs=[list(ids) for ids in inputs], dimensions=dimensions))
 
     def abort(self, request_id: str) -> None:
         """Mark a request aborted; it is returned with finish_reason "abort" next step."""
@@ -222,6 +288,11 @@ class EchoEngine:
 
     def _output(self, req: _EchoRequest, now: float) -> RequestOutput:
         req.metrics.finished_time = now
+        if req.inputs is not None:
+            vectors = None if req.aborted else [
+                echo_embedding(ids, self.embedding_dim, req.dimensions) for ids in req.inputs]
+            return RequestOutput(req.request_id, None, req.token_ids, [], True, req.metrics,
+                                 embeddings=vectors)
         limit = req.params.max_tokens or len(req.token_ids)
         ids = req.token_ids[:limit]
         if req.aborted:
@@ -244,7 +315,15 @@ class EchoEngine:
         return None
 
     def stats(self) -> EngineStats:
-        """The engine's figures, from an imaginary pool of 16-token blocks."""
+        """The engine's figures, from an imaginary pool of 16-token blocks (none in embed
+        mode: like the embedding engine's, its KV figures are all 0)."""
+        if self.task == "embed":
+            with self._lock:
+                return EngineStats(
+                    num_kv_blocks=0, block_size=0, prompt_tokens=self._prompt_tokens,
+                    num_requests_running=len(self._running),
+                    num_requests_waiting=len(self._inbox), max_model_len=self.max_model_len,
+                    max_num_seqs=1 << 30, attention_backend="echo", kv_cache_dtype="none")
         with self._lock:
             waiting = sum(math.ceil(len(r.token_ids) / BLOCK_SIZE) for r in self._inbox)
             used = sum(math.ceil(len(r.token_ids) / BLOCK_SIZE) for r in self._running.values())
@@ -267,3 +346,12 @@ class EchoEngine:
             // math.ceil(self.max_model_len / BLOCK_SIZE),
             attention_backend="echo",
         )
+
+
+def echo_embedding(token_ids: list[int], dim: int, dimensions: int | None = None) -> list[float]:
+    """The echo engine's vector of one input: ``dim`` float32 values from a generator
+    seeded by the token ids, cut to ``dimensions`` (if given), scaled to unit length."""
+    seed = hashlib.sha256(np.asarray(token_ids, dtype=np.int64).tobytes()).digest()
+    vector = np.random.default_rng(int.from_bytes(seed[:8], "little")).standard_normal(dim)
+    vector = vector[:dimensions] if dimensions is not None else vector
+    return (vector / np.linalg.norm(vector)).astype(np.float32).tolist()

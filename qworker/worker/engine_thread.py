@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from qworker.engine.outputs import RequestOutput
 from qworker.engine.sampling_params import SamplingParams
@@ -27,11 +27,15 @@ log = logging.getLogger(__name__)
 
 
 class EngineLike(Protocol):
-    """The part of ``Engine`` (or ``EchoEngine``) the worker drives."""
+    """The part of ``Engine`` (or ``EchoEngine``) the worker drives.
+
+    ``task`` is what it serves: ``"generate"`` or ``"embed"`` (``EmbeddingEngineLike``).
+    """
 
     tokenizer: Any
     model_name: str
     max_model_len: int
+    task: str
 
     def validate_prompt(
         self, prompt: str | list[int], params: SamplingParams
@@ -52,6 +56,23 @@ class EngineLike(Protocol):
     def stats(self) -> EngineStats: ...
     def close(self) -> None: ...
     def failed(self) -> str | None: ...
+
+
+class EmbeddingEngineLike(EngineLike, Protocol):
+    """An engine of task ``"embed"``: what the worker drives besides ``EngineLike``.
+
+    ``add_embedding`` is thread-safe; a finished request comes back from ``step`` with
+    one vector per input in ``RequestOutput.embeddings`` (None once aborted).
+    """
+
+    embedding_dim: int
+    max_num_batched_tokens: int
+
+    def validate_embedding_input(self, item: str | list[int]) -> list[int]: ...
+    def check_dimensions(self, dimensions: int | None) -> None: ...
+    def add_embedding(self, request_id: str, inputs: list[list[int]],
+                      dimensions: int | None = None,
+                      arrival_time: float | None = None) -> None: ...
 
 
 class EngineThread:
@@ -105,6 +126,16 @@ class EngineThread:
         self.engine.add_validated(request_id, text, token_ids, params, arrival_time)
         with self._lock:
             self._inbox_blocks += math.ceil(len(token_ids) / self._block_size)
+        self._wake.set()
+
+    def submit_embedding(self, request_id: str, inputs: list[list[int]],
+                         dimensions: int | None, arrival_time: float | None = None) -> None:
+        """Add an embedding request of validated inputs (an ``embed`` engine's only kind).
+
+        It holds no KV blocks after its step, so it adds nothing to ``pending_blocks``.
+        """
+        cast(EmbeddingEngineLike, self.engine).add_embedding(request_id, inputs, dimensions,
+                                                              arrival_time)
         self._wake.set()
 
     def batch(self) -> AbstractContextManager[None]:

@@ -5,7 +5,9 @@ ready jobs in order while ``Admission.fits`` (the KV projection) allows. Jobs se
 by a failed engine step go first, one suspect group at a time and alone in the engine
 (``isolated``), so the job that breaks steps is found by halving its group
 (docs/operations.md, "Engine failures"). A job the engine refuses, or whose deadline
-passed at the gate (``Job.expired``), goes to ``on_reject`` for its error line.
+passed at the gate (``Job.expired``), goes to ``on_reject`` for its error line. An
+embedding engine's jobs are admitted by tokens in flight instead (``tokens``,
+``TokenAdmission``): they hold no KV blocks.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from qworker.worker.engine_thread import EngineLike, EngineThread
 from qworker.worker.job import Job, JobState
 from qworker.worker.job_table import JobTable
 from qworker.worker.requests import job_error
+from qworker.worker.token_admission import TokenAdmission
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +34,11 @@ class Gate:
 
     def __init__(self, table: JobTable, admission: Admission, engine: EngineLike,
                  thread: EngineThread, block_size: int,
-                 on_reject: Callable[[Job, BaseException], None]) -> None:
+                 on_reject: Callable[[Job, BaseException], None],
+                 tokens: TokenAdmission | None = None) -> None:
         self.table = table
         self.admission = admission
+        self.tokens = tokens
         self.engine = engine
         self.thread = thread
         self.block_size = block_size
@@ -48,12 +53,16 @@ class Gate:
             return 0
         # Deferred jobs wait for others to run: they must not take those others' places.
         active = table.busy - len(table.deferred)
+        if self.tokens is not None:
+            return self.tokens.room(active)
         return self.admission.room(self.engine.stats(), self.thread.pending_blocks, active)
 
     def released(self, job: Job) -> None:
         """``job`` left the engine (finished, aborted, or taken back after a failed step)."""
         if job.request_id is not None:
             self.isolated.discard(job.request_id)
+            if self.tokens is not None:
+                self.tokens.released(job.request_id)
         if job.growth is not None:
             self.admission.released(job.growth, self.block_size)
             job.growth = None
@@ -75,6 +84,11 @@ class Gate:
         with thread.batch():  # the jobs admitted together are prefilled together
             while table.ready:
                 job = table.ready[0]
+                if self.tokens is not None:
+                    if not self.tokens.fits(_tokens(job)):
+                        return
+                    self._submit(job, None)
+                    continue
                 growth = self._growth(job)
                 admitted = [j.growth for j in table.running.values() if j.growth is not None]
                 need = max(1, math.ceil(len(job.token_ids) / self.block_size))
@@ -96,17 +110,32 @@ class Gate:
             self._on_reject(job, BatchExpiredError(
                 f"deadline {job.deadline:.0f} passed before the job started"))
             return False
-        growth = growth or self._growth(job)
+        # An embedding request holds no KV blocks: nothing for the KV projection.
+        growth = None if job.input_ids is not None else growth or self._growth(job)
         request_id = uuid.uuid4().hex
         try:
-            self.thread.submit(request_id, job.text, job.token_ids, job.spec.params,
-                               job.msg.received_at)
+            if job.input_ids is not None:
+                self.thread.submit_embedding(request_id, job.input_ids, job.spec.dimensions,
+                                             job.msg.received_at)
+            else:
+                self.thread.submit(request_id, job.text, job.token_ids, job.spec.params,
+                                   job.msg.received_at)
         except Exception as exc:  # any rejection becomes the job's record
             self._on_reject(job, job_error(exc, "submit it to the engine"))
             return False
         job.request_id, job.growth, job.admitted = request_id, growth, time.monotonic()
         self.table.move(job, JobState.RUNNING)
-        self.admission.observe_prompt(len(job.token_ids), self.block_size)
-        self.admission.admitted(growth, self.block_size)
+        if growth is not None:
+            self.admission.observe_prompt(len(job.token_ids), self.block_size)
+            self.admission.admitted(growth, self.block_size)
+        if self.tokens is not None:
+            self.tokens.admitted(request_id, _tokens(job))
         log.debug("admitted as %s", request_id, extra=job.log_ids())
         return True
+
+
+def _tokens(job: Job) -> int:
+    """A job's prompt tokens: all inputs of an embedding job together."""
+    if job.input_ids is not None:
+        return sum(len(ids) for ids in job.input_ids)
+    return len(job.token_ids)

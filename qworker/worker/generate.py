@@ -28,7 +28,15 @@ from qworker.errors import InvalidRequestError
 from qworker.schema import Job, dumps, error_record_for, is_error_record
 from qworker.schema.peek import IdScanner, PeekedIds, peek_ids
 from qworker.worker.engine_thread import EngineLike
-from qworker.worker.requests import Prepared, job_error, prepare, record_for, token_decoder
+from qworker.worker.requests import (
+    Prepared,
+    add_to_engine,
+    job_error,
+    prepare,
+    record_for,
+    token_decoder,
+)
+from qworker.worker.served_models import ServedModels
 
 _PROGRESS_EVERY_S = 2.0
 
@@ -78,12 +86,14 @@ def generate_file(
     progress: IO[str] | str | None = "stderr",
     skip_ids: set[str] | None = None,
     skip_lines: set[int] | None = None,
+    served: ServedModels | None = None,
 ) -> GenerateStats:
     """Run every job of ``input_path`` through ``engine``; write records to ``out``.
 
     ``progress``: where the bar and the summary go (default stderr, None: silent).
     Lines whose custom_id is in ``skip_ids`` (or whose number is in ``skip_lines``) are
-    not run again; ``stats.skipped`` counts them.
+    not run again; ``stats.skipped`` counts them. ``served``: the model names jobs may
+    ask for (``requests.prepare``; default only ``engine.model_name``).
     """
     if progress == "stderr":  # looked up now: sys.stderr may have been replaced
         progress = sys.stderr
@@ -138,7 +148,8 @@ def generate_file(
                 if bar is not None:
                     bar.update(1)
                 continue
-            slots.append(_admit(engine, line_no, body, max_job_bytes, by_request, size, ids))
+            slots.append(_admit(engine, line_no, body, max_job_bytes, by_request, size, ids,
+                                served))
         if by_request:
             _expire(engine, by_request)
             finish(engine.step())
@@ -242,9 +253,10 @@ def _read_lines(path: str, limit: int
 def _admit(
     engine: EngineLike, line_no: int, body: bytes, max_job_bytes: int,
     by_request: dict[str, _Slot], size: int | None = None, ids: PeekedIds | None = None,
+    served: ServedModels | None = None,
 ) -> _Slot:
     """The same path as ``qworker run`` (``requests.prepare``); a dead letter is an error line."""
-    outcome = prepare(engine, body, max_job_bytes, size=size, ids=ids)
+    outcome = prepare(engine, body, max_job_bytes, size=size, ids=ids, served=served)
     if not isinstance(outcome, Prepared):
         if outcome.dead_letter is not None:
             exc = InvalidRequestError(f"line {line_no}: {outcome.dead_letter}")
@@ -253,7 +265,7 @@ def _admit(
     job = outcome.job
     request_id = uuid.uuid4().hex
     try:
-        engine.add_validated(request_id, outcome.text, outcome.token_ids, job.params)
+        add_to_engine(engine, request_id, outcome)
     except Exception as exc:  # any rejection becomes the job's error line
         return _Slot(job, error_record_for(job.custom_id, job.batch_id,
                                            job_error(exc, "submit it"), job.metadata))

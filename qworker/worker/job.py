@@ -100,7 +100,8 @@ class Job:
     """Everything the worker knows about one received message; see the module docstring.
 
     The ids are known once parsed (``custom_id`` None: not a job, or not parsed yet).
-    ``spec`` is the validated request, ``token_ids`` its prompt; ``solo_failures``
+    ``spec`` is the validated request, ``token_ids`` its prompt (``input_ids``, one
+    list per input, for an embedding job); ``solo_failures``
     counts engine steps that failed while it ran alone and ``completions_seen`` how many
     jobs the worker had completed at the first of them. Times are ``time.monotonic``.
     Used from the worker's event loop only (the prep pool fills a copy's fields).
@@ -116,6 +117,7 @@ class Job:
     spec: JobSpec | None = None
     text: str | None = None
     token_ids: list[int] = field(default_factory=list)
+    input_ids: list[list[int]] | None = None
     request_id: str | None = None
     growth: Growth | None = None
     abort: AbortReason | None = None

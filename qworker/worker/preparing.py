@@ -4,7 +4,9 @@
 the event loop (``requests.prepare``: JSON parsing, chat templates and tokenization
 never block the loop, which also keeps Kafka and SQS heartbeats going). Each outcome
 moves its own job: ``READY`` for the gate, an error record, or a dead letter; one
-message's failure is that message's outcome, never its batch-mates'.
+message's failure is that message's outcome, never its batch-mates'. A job of a batch
+cancelled (``CancelWatch``, looked up on first sight) is answered ``batch_cancelled``
+instead of going to the gate.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ import concurrent.futures
 import logging
 from collections.abc import Callable
 
+from qworker.worker.cancel_watch import CancelWatch, cancelled_error
 from qworker.worker.engine_thread import EngineLike
 from qworker.worker.job import Job, JobState
 from qworker.worker.job_table import JobTable
 from qworker.worker.requests import Prepared, Unserved, prepare
+from qworker.worker.served_models import ServedModels
 from qworker.worker.settle import Settler
 from qworker.worker.sources.base import Message
 
@@ -31,9 +35,12 @@ class Preparer:
 
     def __init__(self, engine: EngineLike, max_job_bytes: int,
                  pool: concurrent.futures.Executor, table: JobTable, settler: Settler,
-                 on_ready: Callable[[], None]) -> None:
+                 on_ready: Callable[[], None], served: ServedModels | None = None,
+                 cancels: CancelWatch | None = None) -> None:
         self.engine = engine
+        self.cancels = cancels
         self.max_job_bytes = max_job_bytes
+        self.served = served
         self.pool = pool
         self.table = table
         self.settler = settler
@@ -52,7 +59,7 @@ class Preparer:
         for msg in msgs:
             try:
                 outcomes.append(prepare(self.engine, msg.body, self.max_job_bytes,
-                                        size=msg.size, ids=msg.ids))
+                                        size=msg.size, ids=msg.ids, served=self.served))
             except Exception as exc:
                 outcomes.append(exc)
         return outcomes
@@ -61,6 +68,9 @@ class Preparer:
         loop = asyncio.get_running_loop()
         outcomes = await loop.run_in_executor(self.pool, self.prepare_all,
                                               [job.msg for job in jobs])
+        if self.cancels is not None:  # a batch not looked up lately: cancelled already?
+            await self.cancels.lookup_new(o.job.batch_id for o in outcomes
+                                          if isinstance(o, Prepared))
         for job, outcome in zip(jobs, outcomes, strict=True):
             if job.is_open:
                 self._prepared(job, outcome)
@@ -74,6 +84,10 @@ class Preparer:
             job.custom_id, job.batch_id = spec.custom_id, spec.batch_id
             job.fingerprint, job.spec = outcome.fingerprint, spec
             job.text, job.token_ids = outcome.text, outcome.token_ids
+            job.input_ids = outcome.input_ids
+            if self.cancels is not None and self.cancels.is_cancelled(spec.batch_id):
+                self.settler.answer_error(job, cancelled_error(spec.batch_id))
+                return
             self.table.move(job, JobState.READY)
         elif outcome.dead_letter is not None:
             self.settler.dead_letter(job, outcome.dead_letter)

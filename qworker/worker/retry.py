@@ -15,6 +15,13 @@ receive, a source start, the pending-work question, an SQS delete) goes through 
   exit 69 at once;
 - ``CONFIG``: a configuration problem (a missing queue, topic or dead-letter target):
   one line, exit 1. The original exception propagates.
+- ``AUTH``: credentials refused or a certificate not trusted (``auth_failure``: Kafka
+  SASL and authorization errors, ``ssl.SSLCertVerificationError``, AWS AccessDenied /
+  InvalidClientTokenId / SignatureDoesNotMatch / ExpiredToken). Never retried: before
+  the worker serves (``running()`` False) it is a configuration error like ``CONFIG``
+  (raised as an ``AuthError``, exit 1); once it serves, the same credentials worked, so
+  they were rotated, expired or revoked since: ``FATAL`` (exit 69 at once), and the next
+  process reads them afresh (and exits 1 if they are wrong).
 
 ``classify`` is the one place that decides; a dependency's own errors are turned into
 ``Refused`` / ``StartupError`` / ``SourceUnavailableError`` by the source or sink that
@@ -31,7 +38,13 @@ from collections.abc import Awaitable, Callable
 from enum import Enum
 from typing import Any, TypeVar
 
-from qworker.worker.failures import Refused, SourceUnavailableError, StartupError
+from qworker.worker.failures import (
+    AuthError,
+    Refused,
+    SourceUnavailableError,
+    StartupError,
+    auth_failure,
+)
 from qworker.worker.outage import Backoff, Outage
 
 log = logging.getLogger(__name__)
@@ -46,14 +59,17 @@ class Verdict(Enum):
     REFUSED = "refused"
     FATAL = "fatal"
     CONFIG = "config"
+    AUTH = "auth"
 
 
 def classify(exc: BaseException) -> Verdict:
     """The verdict on ``exc``; the single place where failures are told apart.
 
-    Configuration errors (``StartupError``) come first: that is where authentication and
-    authorization failures belong too (SASL, TLS verification, AWS AccessDenied).
+    Authentication and authorization failures (SASL, TLS verification, AWS AccessDenied,
+    found in ``exc`` or its causes) come first, then configuration errors.
     """
+    if auth_failure(exc) is not None:
+        return Verdict.AUTH
     if isinstance(exc, StartupError):
         return Verdict.CONFIG
     if isinstance(exc, Refused):
@@ -88,7 +104,9 @@ class Retrier:
     "stop now" (or, for receiving, "draining"). ``deadline()`` (monotonic) bounds the
     retries of a draining worker; ``stop()`` True gives up after the current failure
     (a source closing). ``on_exhausted(why)`` / ``on_fatal(why)`` are called once per
-    call that ends so. Concurrent calls share the outage clock.
+    call that ends so. ``running()`` True once the worker serves: an ``AUTH`` verdict is
+    then fatal rather than a configuration error (default: never running, i.e. start).
+    Concurrent calls share the outage clock.
     """
 
     def __init__(
@@ -102,6 +120,7 @@ class Retrier:
         on_exhausted: Callable[[str], None] | None = None,
         on_fatal: Callable[[str], None] | None = None,
         classify: Callable[[BaseException], Verdict] = classify,
+        running: Callable[[], bool] | None = None,
     ) -> None:
         self.outage = outage
         self.backoff = backoff or Backoff()
@@ -111,6 +130,7 @@ class Retrier:
         self._on_exhausted = on_exhausted
         self._on_fatal = on_fatal
         self.classify = classify
+        self._running = running or (lambda: False)
         #: Failed attempts over the life of this retrier (for metrics and tests).
         self.failures = 0
 
@@ -143,9 +163,7 @@ class Retrier:
         Returns False when the caller should stop (budget spent, or fatal); raises the
         exception itself for a CONFIG verdict. ``on_exhausted`` / ``on_fatal`` are called.
         """
-        verdict = self.classify(exc)
-        if verdict is Verdict.CONFIG:
-            raise exc
+        verdict = self._verdict(exc, what)
         self.failures += 1
         if verdict is Verdict.FATAL:
             self._fatal(f"{what} cannot go on: {exc}")
@@ -160,9 +178,7 @@ class Retrier:
 
     async def _after_failure(self, exc: Exception, attempt: int, what: str,
                              log_extra: dict[str, Any] | None) -> None:
-        verdict = self.classify(exc)
-        if verdict is Verdict.CONFIG:
-            raise exc
+        verdict = self._verdict(exc, what)
         self.failures += 1
         if verdict is Verdict.REFUSED:
             log.warning("%s refused for good (not retried): %s", what, exc, extra=log_extra)
@@ -189,6 +205,22 @@ class Retrier:
                   extra=log_extra)
         await self._sleep(delay)
 
+    def _verdict(self, exc: BaseException, what: str) -> Verdict:
+        """``classify(exc)``; raises for a configuration error, an ``AUTH`` one is FATAL
+        once running (see the module docstring)."""
+        verdict = self.classify(exc)
+        if verdict is Verdict.AUTH:
+            if self._running():
+                return Verdict.FATAL
+            if isinstance(exc, AuthError):
+                raise exc
+            cause = auth_failure(exc)
+            raise AuthError(f"{what}: credentials or TLS refused: "
+                            f"{_one_line(cause if cause is not None else exc)}") from None
+        if verdict is Verdict.CONFIG:
+            raise exc
+        return verdict
+
     async def _sleep(self, delay: float) -> None:
         if self.wake is None:
             await asyncio.sleep(delay)
@@ -203,3 +235,7 @@ class Retrier:
     def _fatal(self, why: str) -> None:
         if self._on_fatal is not None:
             self._on_fatal(why)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__

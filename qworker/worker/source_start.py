@@ -1,10 +1,12 @@
-"""Starting a source: raced against a drain, retried through the source's ``Retrier``.
+"""Checking and starting a source: raced against a drain, retried through a ``Retrier``.
 
 A group join or an unreachable broker can hold ``source.start()`` for as long as the
 client library likes; a SIGTERM meanwhile must still exit within the drain budget, and
 a broker that is down at start is ridden out like any source outage
 (docs/operations.md). A ``StartupError`` (a missing queue, topic or dead-letter
-target) is a configuration error: not retried, raised after closing the source.
+target; ``AuthError``: refused credentials) is a configuration error: not retried,
+raised after closing the source. ``serve`` runs the source's ``check`` this way before
+the model loads, the worker its ``start`` after.
 """
 
 from __future__ import annotations
@@ -31,12 +33,14 @@ class Started(Enum):
 
 
 async def start_source(source: Source, drain: DrainControl, retrier: Retrier,
-                       close_s: float) -> Started:
+                       close_s: float, check_only: bool = False) -> Started:
     """Start ``source``; see the module docstring. Closes it (within ``close_s``) unless
-    it started. ``retrier`` should wake on ``drain.draining``."""
+    it started. ``retrier`` should wake on ``drain.draining``. ``check_only``: run
+    ``source.check()`` instead (before the model loads, docs/operations.md)."""
+    what = "source check" if check_only else "source start"
 
     async def attempt() -> bool:
-        start = asyncio.ensure_future(source.start())
+        start = asyncio.ensure_future(source.check() if check_only else source.start())
         drained = asyncio.ensure_future(drain.draining.wait())
         try:
             await asyncio.wait({start, drained}, return_when=asyncio.FIRST_COMPLETED)
@@ -54,7 +58,7 @@ async def start_source(source: Source, drain: DrainControl, retrier: Retrier,
         return True
 
     try:
-        started = await retrier.call(attempt, "source start")
+        started = await retrier.call(attempt, what)
     except StartupError:
         await _close(source, close_s)
         raise
@@ -62,7 +66,7 @@ async def start_source(source: Source, drain: DrainControl, retrier: Retrier,
         await _close(source, close_s)
         if gave_up.why is GiveUp.DRAINED:
             return Started.DRAINED
-        log.error("source unreachable at start: %s", gave_up.cause)
+        log.error("source unreachable at start (%s): %s", what, gave_up.cause)
         return Started.UNREACHABLE
     if not started:
         log.warning("drain requested while the source was starting: not serving")

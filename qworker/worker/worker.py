@@ -5,7 +5,8 @@ states and transitions are) and ends through ``settle`` (qworker/worker/settle.p
 the only caller of the source's ack / abandon / dead-letter). This module routes the
 events that move jobs: messages received (prepared on a thread pool), the gate
 admitting ready jobs (``Gate``), engine outputs and failed steps (``StepFailures``),
-revocations, deadlines, the spot notice and the drain (``drain_budget``).
+revocations, deadlines, cancelled batches (``CancelWatch``), the spot notice and the
+drain (``drain_budget``).
 
 Failures (docs/operations.md): a failing source, sink or dead-letter target is retried
 by its ``Retrier`` for its outage budget, then the worker stops with exit 69; a failed
@@ -30,6 +31,7 @@ from qworker.config import WorkerSettings
 from qworker.engine.outputs import RequestOutput
 from qworker.errors import BatchExpiredError, EngineError
 from qworker.worker.admission import Admission
+from qworker.worker.cancel_watch import CancelWatch, watch_held
 from qworker.worker.dead_letters import DeadLetters
 from qworker.worker.drain import DrainControl, DrainReason, drain_budget
 from qworker.worker.drain_phases import drain_phases
@@ -45,6 +47,7 @@ from qworker.worker.preparing import Preparer
 from qworker.worker.requests import token_decoder
 from qworker.worker.result_writer import ResultWriter
 from qworker.worker.retry import GaveUp, Retrier
+from qworker.worker.served_models import ServedModels
 from qworker.worker.settle import Settler
 from qworker.worker.sinks.base import Sink
 from qworker.worker.source_start import Started, start_source
@@ -53,6 +56,7 @@ from qworker.worker.spot import SpotPoller
 from qworker.worker.step_failures import StepFailures
 from qworker.worker.summary import RunSummary
 from qworker.worker.tasks import Tasks
+from qworker.worker.token_admission import embedding_admission
 
 log = logging.getLogger(__name__)
 
@@ -95,25 +99,37 @@ class Worker:
         def fail_69(why: str) -> None:
             self._fail(ExitCode.UNAVAILABLE, why)
 
+        # Refused credentials are a configuration error until the source started, and a
+        # fatal stop (exit 69) after: they worked, so they rotated or expired (retry.py).
+        self._serving = False
+
+        def serving() -> bool:
+            return self._serving
+
         self.source_retrier = Retrier(
             Outage("source", settings.source_outage_seconds, problem),
             Backoff(first=0.2, cap=5.0), wake=self.drain.draining,
-            on_exhausted=fail_69, on_fatal=fail_69)
+            on_exhausted=fail_69, on_fatal=fail_69, running=serving)
         self.writer = ResultWriter(sink, Retrier(
             Outage("sink", settings.sink_outage_seconds, problem), Backoff(),
             wake=self.drain.immediate, deadline=lambda: self._store_until,
-            on_exhausted=fail_69), self.metrics, sink_prefix)
+            on_exhausted=fail_69, on_fatal=fail_69, running=serving), self.metrics,
+            sink_prefix)
         self.dead_letters = DeadLetters(source, Retrier(
             Outage("dead_letter", settings.source_outage_seconds, problem),
             Backoff(first=0.2, cap=5.0), wake=self.drain.immediate,
-            deadline=lambda: self._store_until, on_exhausted=fail_69), self.writer)
+            deadline=lambda: self._store_until, on_exhausted=fail_69, on_fatal=fail_69,
+            running=serving), self.writer)
         self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="qworker-prep")
         self._progress = asyncio.Event()
         self.settler = Settler(self.table, source, self.writer, self.dead_letters,
                                self.metrics, self.summary, self.tasks, self._pool,
                                engine.model_name, token_decoder(engine), self._progress.set)
+        self.cancels = CancelWatch(sink, sink_prefix, settings.cancel_check_seconds)
         self.preparer = Preparer(engine, settings.max_job_bytes, self._pool, self.table,
-                                 self.settler, self._admit)
+                                 self.settler, self._admit,
+                                 ServedModels.from_settings(settings, engine.model_name),
+                                 self.cancels)
         self.failures = StepFailures(self.table, settings.max_job_attempts)
         self.idle = IdleCheck(source, self.source_retrier)
         self._kv_usage = 0.0
@@ -141,7 +157,8 @@ class Worker:
         self._thread = EngineThread(self.engine, loop, self._on_outputs, self._on_step_error,
                                     self._block_size)
         self.gate = Gate(self.table, self.admission, self.engine, self._thread,
-                         self._block_size, self.settler.answer_error)
+                         self._block_size, self.settler.answer_error, embedding_admission(
+                             self.engine, self.settings.max_inflight_jobs))
         self.source.on_revoke = self._on_revoke
         try:
             started = await start_source(self.source, self.drain, self.source_retrier,
@@ -161,9 +178,13 @@ class Worker:
             self._finish_summary()
             return self.summary
         self._last_activity = time.monotonic()  # joining a group is not idle time
+        self._serving = True
         self._thread.start()
         helpers = [asyncio.create_task(self._stats_loop()),
                    asyncio.create_task(self._deadline_loop()),
+                   asyncio.create_task(watch_held(self.cancels, self.table,
+                                                  self.settler.answer_error,
+                                                  self.drain.draining.is_set)),
                    asyncio.create_task(watchdog(self._thread, self.settings.engine_step_timeout,
                                                 self._on_engine_failure))]
         if self.settings.spot_metadata_url:

@@ -303,8 +303,10 @@ class Campaign:
             results = ["--no-manifest"]
         env["QWORKER_S3_ENDPOINT_URL"] = self.cfg.moto_url or (self.moto.url if self.moto
                                                                 else "")
+        # the campaign mixes chat and completion jobs in one batch on purpose
         _qworker(["produce", "-i", str(path), "--to", self.source_uri,
-                  "--batch-id", self.batch_id, *results], env, self.dir / "produce.log")
+                  "--batch-id", self.batch_id, "--allow-mixed", *results], env,
+                 self.dir / "produce.log")
 
     def _trickle_produce(self, chunks: list[list[dict]], moto_url: str) -> None:
         """Produce the remaining SQS chunks whenever the queue runs low.
@@ -339,6 +341,8 @@ class Campaign:
             "QWORKER_LOG_FORMAT": "json",
             "QWORKER_ENGINE_STEP_TIMEOUT": str(self.cfg.engine_step_timeout),
         }
+        if self.cfg.model:  # the jobs name the echo model (chaos_lib/jobs.py)
+            env["QWORKER_MODEL_ALIASES"] = "echo"
         if self.hostile:
             env["QWORKER_MAX_JOB_BYTES"] = str(self.cfg.max_job_bytes)
         if self.cfg.queue == "sqs":

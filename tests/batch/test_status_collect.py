@@ -275,3 +275,59 @@ def test_results_of_ids_outside_the_manifest_never_count_past_the_total(
     assert status["request_counts"] == {"total": 12, "completed": 10, "failed": 2}
     assert status["unexpected"] == 2 and status["status"] == "completed"
     validate_batch(status)
+
+
+@pytest.mark.parametrize("to", ["kafka://127.0.0.1:1/jobs", "sqs://jobs-q19"])
+def test_produce_to_a_queue_needs_the_results_location_and_sends_nothing_without(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    to: str,
+) -> None:
+    # Regression: the manifest went to this machine's ./results; `status` against the
+    # workers' bucket then found no batch. Nothing listens at the target: failing before
+    # sending anything is the point.
+    monkeypatch.delenv("QWORKER_SINK", raising=False)
+    monkeypatch.chdir(tmp_path)
+    spool = write_spool(tmp_path / "in.jsonl", [completion_job("a")])
+    assert main(["produce", "-i", str(spool), "--to", to]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("qworker produce: ") and len(err.strip().splitlines()) == 1, err
+    assert "--results" in err and "QWORKER_SINK" in err, err
+    assert not (tmp_path / "results").exists()
+
+
+def test_produce_to_a_spool_file_keeps_the_local_results_default(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("QWORKER_SINK", raising=False)
+    monkeypatch.chdir(tmp_path)
+    spool = write_spool(tmp_path / "in.jsonl", [completion_job("a")])
+    assert main(["produce", "-i", str(spool), "--to", f"file://{tmp_path}/s.jsonl",
+                 "--batch-id", "local"]) == 0
+    assert (tmp_path / "results" / "local" / "_manifest.json").is_file()
+
+
+def test_status_of_a_batch_without_a_manifest_is_one_line_and_collect_still_works(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "results"
+
+    def put(key: str, body: bytes) -> None:
+        (root / key).parent.mkdir(parents=True, exist_ok=True)
+        (root / key).write_bytes(body)
+
+    spool = write_spool(tmp_path / "in.jsonl", [completion_job(c, f"p-{c}") for c in IDS[:3]])
+    _write_results(put, "", "nomanifest", spool, IDS[:3])
+    capsys.readouterr()
+    assert main(["status", "--from", f"file://{root}", "--batch-id", "nomanifest"]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.startswith("qworker status: "), captured.err
+    assert len(captured.err.strip().splitlines()) == 1, captured.err
+    assert "has no manifest" in captured.err and "--results" in captured.err
+    assert "3 results stored" in captured.err
+    assert json.loads(captured.out)["request_counts"]["total"] == 3
+    out = tmp_path / "collected.jsonl"
+    assert main(["collect", "--from", f"file://{root}", "--batch-id", "nomanifest", "-o",
+                 str(out), "--no-progress"]) == 0
+    assert len(out.read_text().splitlines()) == 3
+    warning = [line for line in capsys.readouterr().err.splitlines() if "no manifest" in line]
+    assert len(warning) == 1 and "warning" in warning[0], warning

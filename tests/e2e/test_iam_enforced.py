@@ -27,6 +27,7 @@ the policies allow nothing that no call needed.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -46,6 +47,8 @@ from tests.fixtures.servers import running
 
 ROOT = Path(__file__).resolve().parents[2]
 BATCH = "nightly-iam"
+#: What a worker's log says when a call was refused (a bare "403" also matched a port).
+_DENIED = re.compile(r"AccessDenied|\b403 Forbidden\b|\(403\)|HTTP 403|status 403")
 
 #: Allowed (policy, Sid, action, resource) that no code on this branch calls yet, each
 #: with the change that adds the call. The least-privilege test accepts these unused;
@@ -53,10 +56,8 @@ BATCH = "nightly-iam"
 PENDING = {
     ("producer", "WriteBatchMarkers", "s3:PutObject",
      "arn:aws:s3:::{bucket}/results/*/_failed.json"):
-        "issue 20: produce marks a batch it could not finish",
-    ("producer", "WriteBatchMarkers", "s3:PutObject",
-     "arn:aws:s3:::{bucket}/results/*/_cancel.json"):
-        "issue 20: qworker cancel writes the marker",
+        "issue 20: produce marks a batch it could not finish (no test fails a produce "
+        "into S3 yet)",
 }
 
 
@@ -141,7 +142,7 @@ def test_the_deployment_runs_end_to_end_under_the_shipped_policies(
         worker.wait(timeout=120)
     output = log.read_text()
     assert worker.returncode == 0, output
-    assert "AccessDenied" not in output and "403" not in output, output
+    assert not _DENIED.search(output), output
     conflicts = _keys(moto, f"{dep.results_prefix}/{BATCH}/_conflicts/")
     assert len(conflicts) == 1 and "doc-1" in conflicts[0], conflicts
     dead = moto.client("sqs").receive_message(QueueUrl=moto.dlq_url, WaitTimeSeconds=1)
@@ -168,7 +169,8 @@ def test_the_deployment_runs_end_to_end_under_the_shipped_policies(
         {**_job("slow", "slow"), "batch_id": "slow"}))
     env = _worker_env(moto, tmp_path, QWORKER_SQS_VISIBILITY_TIMEOUT="3")
     cmd = [sys.executable, "-m", "qworker", "run", "--source", f"sqs://{dep.jobs_queue}",
-           "--sink", sink, "--model", "echo://?delay_ms=600&steps=4", "--until-idle", "2"]
+           "--sink", sink, "--model", "echo://?delay_ms=600&steps=4", "--until-idle", "2",
+           "--model-aliases", "smollm2"]  # the echo engine stands in for the job's model
     log = tmp_path / "worker-by-name.log"
     with running(cmd, env, log) as worker:
         try:
@@ -177,7 +179,7 @@ def test_the_deployment_runs_end_to_end_under_the_shipped_policies(
             pytest.fail(log.read_text())
     output = log.read_text()
     assert worker.returncode == 0, output
-    assert "AccessDenied" not in output and "403" not in output, output
+    assert not _DENIED.search(output), output
     assert f"{dep.results_prefix}/slow/slow.json" in _keys(moto, f"{dep.results_prefix}/slow/")
     calls = [c for c in load_calls(recorded_calls()) if c.operation.startswith(
         "ChangeMessageVisibility")]

@@ -98,7 +98,7 @@ def test_secured_kafka_lz4_to_completed_status_and_openai_files(
             bootstrap = f"127.0.0.1:{edge_port}"
             produced = _qworker("produce", "-i", str(EXAMPLES), "--to",
                                 f"kafka://{bootstrap}/jobs", "--kafka-compression", "lz4",
-                                env=env)
+                                "--allow-mixed", env=env)
             assert produced.returncode == 0, produced.stderr
             batch = produced.stdout.strip()
             assert batch.startswith("batch_")
@@ -114,6 +114,7 @@ def test_secured_kafka_lz4_to_completed_status_and_openai_files(
 
             run_cmd = [sys.executable, "-m", "qworker", "run", "--source",
                        f"kafka://{bootstrap}/jobs?group=demo", "--model", "echo://",
+                       "--model-aliases", "smollm2",  # echo stands in for the jobs' model
                        "--kafka-session-timeout-ms", "3000", "--until-idle", "5"]
             with running(run_cmd, env, tmp_path / "run.log") as worker:
                 status = _qworker("status", "--from", f"s3://{s3_bucket}/results",

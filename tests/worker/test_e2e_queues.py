@@ -37,7 +37,7 @@ def _job(i: int, content: str | None = None) -> dict[str, Any]:
         "method": "POST",
         "url": "/v1/chat/completions",
         "body": {
-            "model": "any",
+            "model": "echo",
             "messages": [{"role": "user", "content": content or f"hello {i}"}],
             "max_tokens": 8,
             "temperature": 0,
@@ -237,7 +237,7 @@ def _rerun_to_completion(source: str, sink: str, env: dict[str, str], log: Path)
 def _malformed() -> tuple[list[bytes], dict[str, str], int]:
     """Malformed jobs: (lines, custom_id -> expected error code, number of dead letters)."""
     unknown_url = _job(900)
-    unknown_url["url"] = "/v1/embeddings"
+    unknown_url["url"] = "/v1/images/generations"
     wrong_type = _job(901)
     wrong_type["body"]["max_tokens"] = "many"
     bad_param = _job(902)
@@ -280,9 +280,10 @@ def test_kafka_to_s3_one_result_per_job_and_malformed_ones_recorded_or_dead_lett
     sink = f"s3://{s3_bucket}/{PREFIX}"
 
     # a producer that allows bigger jobs than the workers do: the oversized one must still
-    # get its error record from the worker
+    # get its error record from the worker (--allow-mixed: the unknown-url job is one of
+    # the malformed ones)
     done = _qworker("produce", "-i", str(jobs), "--to", source, "--batch-id", BATCH,
-                    "--max-job-bytes", "100000", "--results", sink, env=env)
+                    "--max-job-bytes", "100000", "--results", sink, "--allow-mixed", env=env)
     assert done.returncode == 0, done.stderr.decode()
     with running(_run_cmd(source, sink), env, tmp_path / "worker.log") as proc:
         assert proc.wait(timeout=90) == 0, (tmp_path / "worker.log").read_text()[-3000:]
@@ -330,9 +331,10 @@ def test_sqs_to_s3_one_result_per_job_and_malformed_ones_recorded_or_dead_letter
     sink = f"s3://{s3_bucket}/{PREFIX}"
 
     # a producer that allows bigger jobs than the workers do: the oversized one must still
-    # get its error record from the worker
+    # get its error record from the worker (--allow-mixed: the unknown-url job is one of
+    # the malformed ones)
     done = _qworker("produce", "-i", str(jobs), "--to", source, "--batch-id", BATCH,
-                    "--max-job-bytes", "100000", "--results", sink, env=env)
+                    "--max-job-bytes", "100000", "--results", sink, "--allow-mixed", env=env)
     assert done.returncode == 0, done.stderr.decode()
     with running(_run_cmd(source, sink), env, tmp_path / "worker.log") as proc:
         assert proc.wait(timeout=90) == 0, (tmp_path / "worker.log").read_text()[-3000:]
@@ -493,3 +495,37 @@ def test_s3_failing_with_5xx_and_resets_is_retried_through_by_the_worker(
     assert stats["errors_500"] + stats["errors_503"] + stats["resets"] > 0
     _assert_one_valid_result_per_job(moto_server, s3_bucket, [f"job-{i:03d}" for i in range(n)])
     assert _queue_counts(moto_server, queue.url) == (0, 0)
+
+
+def test_sqs_responses_jobs_get_response_objects_and_a_wrong_model_a_404(
+    tmp_path: Path,
+    sqs_queue: Callable[..., QueueInfo],
+    s3_bucket: str,
+    moto_server: str,
+    aws_env: dict[str, str],
+) -> None:
+    from tests.schema.openai_types import validate_line
+
+    queue = sqs_queue()
+    lines = [{"custom_id": f"resp-{i}", "method": "POST", "url": "/v1/responses",
+              "body": {"model": "echo", "input": f"hello {i}", "instructions": "Be brief.",
+                       "max_output_tokens": 64}} for i in range(3)]
+    lines.append({"custom_id": "resp-other", "method": "POST", "url": "/v1/responses",
+                  "body": {"model": "gpt-4o-mini", "input": "hi"}})
+    jobs = _write_jobs(tmp_path / "requests.jsonl", [json.dumps(j).encode() for j in lines])
+    source = f"sqs://{queue.name}"
+    _produce_fast(source, jobs, moto_server)
+    with running(_run_cmd(source, f"s3://{s3_bucket}/{PREFIX}"), _env(aws_env),
+                 tmp_path / "worker.log") as proc:
+        assert proc.wait(timeout=90) == 0, (tmp_path / "worker.log").read_text()[-3000:]
+    objects = _objects(moto_server, s3_bucket)
+    records = {cid: json.loads(objects[result_key(PREFIX, BATCH, cid)])
+               for cid in (j["custom_id"] for j in lines)}
+    for i in range(3):
+        record = records[f"resp-{i}"]
+        assert validate_line(record) == "response"
+        body = record["response"]["body"]
+        assert body["status"] == "completed" and body["model"] == "echo"
+        assert f"hello {i}" in body["output"][0]["content"][0]["text"]  # the echo engine
+    assert validate_line(records["resp-other"]) == "404"
+    assert error_of(records["resp-other"])["code"] == "model_not_found"

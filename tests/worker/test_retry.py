@@ -107,3 +107,54 @@ def test_a_configuration_error_propagates_as_itself() -> None:
 
     with pytest.raises(StartupError):
         asyncio.run(retrier.call(op, "start"))
+
+
+def _client_error(code: str, status: int = 403) -> Exception:
+    from botocore.exceptions import ClientError
+
+    return ClientError({"Error": {"Code": code, "Message": "no"},
+                        "ResponseMetadata": {"HTTPStatusCode": status}}, "ReceiveMessage")
+
+
+def test_refused_credentials_and_untrusted_tls_are_auth_failures_even_when_wrapped() -> None:
+    import ssl
+
+    pytest.importorskip("botocore")
+    from aiokafka.errors import SaslAuthenticationFailed, TopicAuthorizationFailedError
+
+    from qworker.worker.failures import AuthError
+
+    for exc in (AuthError("refused"), SaslAuthenticationFailed("bad password"),
+                TopicAuthorizationFailedError("jobs"),
+                ssl.SSLCertVerificationError(1, "certificate verify failed"),
+                *(_client_error(code) for code in ("AccessDenied", "InvalidClientTokenId",
+                                                   "SignatureDoesNotMatch", "ExpiredToken"))):
+        assert classify(exc) is Verdict.AUTH, exc
+        wrapped = SourceUnavailableError("sqs receive failed")
+        wrapped.__cause__ = exc
+        assert classify(wrapped) is Verdict.AUTH, exc
+    assert classify(_client_error("SlowDown", 503)) is Verdict.TRANSIENT
+    assert classify(_client_error("NoSuchKey", 404)) is Verdict.TRANSIENT
+
+
+def test_an_auth_failure_is_a_configuration_error_at_start_and_fatal_once_serving() -> None:
+    pytest.importorskip("botocore")
+    from qworker.worker.failures import AuthError
+
+    serving = False
+    fatal: list[str] = []
+    retrier, exhausted = _retrier(60, running=lambda: serving, on_fatal=fatal.append)
+    calls: list[int] = []
+
+    async def op() -> None:
+        calls.append(1)
+        raise SourceUnavailableError("receive failed") from _client_error("ExpiredToken")
+
+    with pytest.raises(AuthError, match="ExpiredToken"):
+        asyncio.run(retrier.call(op, "source start"))
+    assert len(calls) == 1  # not retried
+    serving = True
+    with pytest.raises(GaveUp) as gave_up:
+        asyncio.run(retrier.call(op, "source receive"))
+    assert gave_up.value.why is GiveUp.FATAL and len(calls) == 2
+    assert len(fatal) == 1 and not exhausted  # exit 69 at once, not after the budget

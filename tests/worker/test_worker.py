@@ -91,7 +91,7 @@ def test_invalid_jobs_get_error_records_and_the_worker_keeps_going(tmp_path: Pat
         "this is not json",
         b"\xff\xfe not utf-8",
         "[1, 2, 3]",
-        {"custom_id": "bad-url", "url": "/v1/embeddings", "body": {}},
+        {"custom_id": "bad-url", "url": "/v1/images/generations", "body": {}},
         chat_job("bad-temp", temperature=-1),
         chat_job("bad-tools", tools=[{"type": "function"}]),
         completion_job("too-long", "x" * 100),

@@ -52,7 +52,8 @@ def start_ranks(config: EngineConfig, group: TensorParallelGroup | None
     n = config.tensor_parallel_size
     device = tp_device(config)
     cache = Path(config.model_cache) if config.model_cache else None
-    local = check_tensor_parallel(config.model, n, cache_dir=cache)
+    local = check_tensor_parallel(config.model, n, cache_dir=cache,
+                                  quantization=config.quantization)
     rank_config = dataclasses.replace(config, model=str(local))
     if group is None:
         group = TensorParallelGroup.start(n, device, config.tensor_parallel_timeout)

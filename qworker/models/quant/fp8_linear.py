@@ -134,12 +134,17 @@ class Fp8FusedLinear(FusedLinear, _InputScale):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ dequant(W).T + b`` through the layer's FP8 kernel."""
+        return self.fp8_linear(x, self.bias)
+
+    def fp8_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ dequant(W).T (+ bias)`` through the layer's FP8 kernel (a row-parallel
+        layer adds its bias after the all-reduce: ``fp8_parallel``)."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         kind = self.matmul_kind(x2)
         block = self.scheme.block if self.scheme.weights is WeightScales.BLOCK else None
         if kind is MatmulKind.DEQUANT:
-            out = dequant_mm(x2, self.weight, self.weight_scale, block, self.bias)
+            out = dequant_mm(x2, self.weight, self.weight_scale, block, bias)
         else:
             if kind is MatmulKind.BLOCKWISE:
                 assert self.scheme.group_size is not None
@@ -150,16 +155,16 @@ class Fp8FusedLinear(FusedLinear, _InputScale):
             else:
                 x8, sx = quantize_act_per_token(x2)
             if self.use_reference:
-                out = reference_mm(x8, sx, self.weight, self.weight_scale, block, self.bias,
+                out = reference_mm(x8, sx, self.weight, self.weight_scale, block, bias,
                                    x.dtype)
             elif kind is MatmulKind.BLOCKWISE:
                 kernel = blockwise_kernel(x2.device)
                 assert kernel is not None
                 out = kernel(x8, sx, self.weight, self.weight_scale, x.dtype)
-                if self.bias is not None:
-                    out = out + self.bias
+                if bias is not None:
+                    out = out + bias
             else:
-                out = rowwise_mm(x8, sx, self.weight, self.weight_scale, self.bias, x.dtype)
+                out = rowwise_mm(x8, sx, self.weight, self.weight_scale, bias, x.dtype)
         return out.view(*lead, out.shape[-1])
 
 
@@ -171,7 +176,9 @@ class Fp8Linear(Fp8FusedLinear):
         super().__init__(in_features, {"": out_features}, bias, scheme, dtype)
 
 
-def _fake_quant(module: ActQuantFusedLinear | ActQuantLinear, x: torch.Tensor) -> torch.Tensor:
+def _fake_quant(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``x`` quantized-dequantized as ``module``'s ``act`` / ``group_size`` /
+    ``input_scale`` say (the CPU's emulation of its FP8 activations)."""
     acts = module.act
     if acts is ActQuant.DYNAMIC_TOKEN:
         return fake_quant_per_token(x)

@@ -19,6 +19,12 @@ canonical ``weight_scale`` (fp32, ``[N]`` per channel or the block grid) or the 
 dequantized to the model dtype; under online FP8 it quantizes dense weights. MoE experts
 arrive dense and quantize themselves as they load (``qworker.models.quant.fp8_experts``),
 where the GPU has a scaled grouped kernel (else they stay in the model dtype).
+
+Under tensor parallelism the model arrives split (``qworker.models.tp_plan``): its
+column- and row-parallel layers become the FP8 forms of ``fp8_parallel``, and the
+stream's tensors stay unread (``CheckpointTensor``) so each layer reads its slice of
+the weight and of its scales; a weight run dense is dequantized (or, online, quantized)
+slice by slice. Split experts quantize their own slices as they load.
 """
 
 from __future__ import annotations
@@ -31,7 +37,9 @@ import torch
 from torch import nn
 
 from qworker.errors import ModelLoadError
+from qworker.models.checkpoint_tensor import CheckpointTensor, LazyTensor, read_all
 from qworker.models.layers import FusedLinear, Linear
+from qworker.models.parallel_layers import ColumnParallelLinear, RowParallelLinear
 from qworker.models.quant.fp8 import (
     FP8,
     dequantize_weight,
@@ -63,15 +71,23 @@ def fp8_weight_names(files: list[Path]) -> set[str]:
     return names
 
 
+_DENSE = (Linear, FusedLinear, ColumnParallelLinear, RowParallelLinear)
+
+
 def _eligible(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules()
-            if isinstance(m, Linear | FusedLinear) and ".layers." in f".{name}"
-            and not name.endswith(_ROUTERS) and type(m) in (Linear, FusedLinear)}
+            if type(m) in _DENSE and ".layers." in f".{name}"
+            and not name.endswith(_ROUTERS)}
+
+
+def _lazy(tensor: object) -> bool:
+    return isinstance(tensor, CheckpointTensor | LazyTensor)
 
 
 def checkpoint_names(model: nn.Module, name: str, module: nn.Module) -> list[str]:
     """The checkpoint weight names that fill ``module`` (its fused shards' sources)."""
-    if not isinstance(module, FusedLinear):
+    shards = getattr(module, "shards", None)
+    if not shards or list(shards) == [""]:
         return [f"{name}.weight"]
     rules = getattr(type(model), "stacked_params", [])
     dotted = f".{name}."
@@ -115,8 +131,18 @@ class QuantizedLoad:
             quantize = scheme.online or in_ckpt
             if not quantize or self.dequantize_only:
                 continue
-            if self.keep_fp8 and self._can_keep(module):
-                new: nn.Module = self._fp8_module(module)
+            parallel = isinstance(module, ColumnParallelLinear | RowParallelLinear)
+            if parallel:
+                self._check_blocks(name, module)
+            if parallel and self.keep_fp8:
+                new: nn.Module = self._fp8_parallel(module)
+                self.kept.update(sources)
+            elif parallel and self._emulates_activations():
+                new = self._act_quant_parallel(module)
+            elif parallel:
+                new = module
+            elif self.keep_fp8 and self._can_keep(module):
+                new = self._fp8_module(module)
                 self.kept.update(sources)
             elif not self.keep_fp8 and self._emulates_activations():
                 new = self._act_quant_module(module)
@@ -155,12 +181,13 @@ class QuantizedLoad:
                 if not (aligned and self.fp8_experts_supported()):
                     continue
                 with torch.device("meta"):
-                    new: nn.Module = Fp8FusedExperts(*args)
+                    new: FusedExperts = Fp8FusedExperts(*args)
             elif self.scheme.online:
                 with torch.device("meta"):
                     new = ActQuantFusedExperts(*args).to(self.dtype)
             else:
                 continue
+            new.inter_range = module.inter_range  # a tensor-parallel rank's slice
             _replace(model, name, new)
             count += 1
         return count
@@ -183,6 +210,58 @@ class QuantizedLoad:
         assert self.scheme.block is not None
         bn = self.scheme.block[0]
         return all(start % bn == 0 for start, _ in module.offsets.values())
+
+    def _check_blocks(self, name: str, module: nn.Module) -> None:
+        """Block scales split at block granularity: ``TensorParallelConfigError`` unless
+        every rank boundary of ``module`` is a multiple of the block."""
+        from qworker.models.quant.fp8_parallel import check_blocks
+
+        if self.scheme.weights is not WeightScales.BLOCK:
+            return
+        assert self.scheme.block is not None
+        if isinstance(module, ColumnParallelLinear):
+            check_blocks(name, module.parts, self.scheme.block[0], "output rows",
+                         _world(module))
+        else:
+            assert isinstance(module, RowParallelLinear)
+            check_blocks(name, {"": module.cols}, self.scheme.block[1], "input columns",
+                         module.shard.world_size)
+
+    def _fp8_parallel(self, module: nn.Module) -> nn.Module:
+        from qworker.models.quant.fp8_parallel import (
+            Fp8ColumnParallelLinear,
+            Fp8RowParallelLinear,
+        )
+
+        bias = module.bias is not None
+        with torch.device("meta"):
+            if isinstance(module, ColumnParallelLinear):
+                return Fp8ColumnParallelLinear(module.in_features, module.parts, bias,
+                                               module.fused_checkpoint, self.scheme,
+                                               self.dtype)
+            assert isinstance(module, RowParallelLinear)
+            return Fp8RowParallelLinear(module.cols, module.out_features, bias, module.shard,
+                                        module.reduce, self.scheme, self.dtype)
+
+    def _act_quant_parallel(self, module: nn.Module) -> nn.Module:
+        from qworker.models.quant.fp8_parallel import (
+            ActQuantColumnParallelLinear,
+            ActQuantRowParallelLinear,
+        )
+
+        acts, group, bias = self.scheme.activations, self.scheme.group_size, \
+            module.bias is not None
+        with torch.device("meta"):
+            if isinstance(module, ColumnParallelLinear):
+                new: nn.Module = ActQuantColumnParallelLinear(
+                    module.in_features, module.parts, bias, module.fused_checkpoint, acts,
+                    group)
+            else:
+                assert isinstance(module, RowParallelLinear)
+                new = ActQuantRowParallelLinear(module.cols, module.out_features, bias,
+                                                module.shard, module.reduce, acts, group)
+        return new.to(self.dtype) if acts is not ActQuant.STATIC_TENSOR else _keep_scale(
+            new, self.dtype)
 
     def _fp8_module(self, module: nn.Module) -> nn.Module:
         with torch.device("meta"):
@@ -230,9 +309,9 @@ class QuantizedLoad:
                     waiting_s[prefix] = tensor
             elif name.endswith(".input_scale"):
                 if name.removesuffix(".input_scale") in self.static_inputs:
-                    yield name, tensor.to(torch.float32).reshape(1)
+                    yield name, read_all(tensor).to(torch.float32).reshape(1)
             elif name.endswith((".weight_zero_point", ".input_zero_point")):
-                if torch.count_nonzero(tensor):
+                if torch.count_nonzero(read_all(tensor)):
                     raise ModelLoadError(f"checkpoint tensor {name!r}: asymmetric FP8 "
                                          "(non-zero zero points) is not supported")
             elif name in self.online:
@@ -273,16 +352,32 @@ class QuantizedLoad:
     def _paired(self, prefix: str, w8: torch.Tensor, scale: torch.Tensor
                 ) -> Iterator[tuple[str, torch.Tensor]]:
         name = f"{prefix}.weight"
-        scales = self._canonical_scale(prefix + "." + self.scheme.scale_name, w8, scale)
+        scales = self._canonical_scale(prefix + "." + self.scheme.scale_name, w8,
+                                       read_all(scale))
         if name in self.kept:
             self._delivered.add(name)
-            yield name, w8
+            yield name, w8  # a tensor-parallel layer reads its slice of both
             yield f"{prefix}.weight_scale", scales
             return
         block = self.scheme.block if self.scheme.weights is WeightScales.BLOCK else None
+        if _lazy(w8):
+            from qworker.models.quant.fp8_parallel import DequantizedSlices
+
+            yield name, DequantizedSlices(w8, scales, self.dtype, block)
+            return
         yield name, dequantize_weight(w8, scales, self.dtype, block)
 
     def _quantized(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        if _lazy(tensor):  # tensor parallelism: each rank quantizes its own slice
+            if name in self.kept:
+                self._delivered.add(name)
+                yield name, tensor  # the FP8 layer quantizes its slice, and under the
+                yield name.removesuffix(".weight") + ".weight_scale", tensor  # scale's name
+                return
+            from qworker.models.quant.fp8_parallel import QuantizedSlices
+
+            yield name, QuantizedSlices(tensor, self.dtype)
+            return
         w8, scales = quantize_weight_per_channel(tensor)
         if name in self.kept:
             self._delivered.add(name)
@@ -290,6 +385,12 @@ class QuantizedLoad:
             yield name.removesuffix(".weight") + ".weight_scale", scales
         else:
             yield name, dequantize_weight(w8, scales, self.dtype)
+
+
+def _world(module: ColumnParallelLinear) -> int:
+    """The ranks a column-parallel layer's first part is split over."""
+    rng = next(iter(module.parts.values()))
+    return max(1, rng.total // max(1, rng.size))
 
 
 def _keep_scale(module: nn.Module, dtype: torch.dtype) -> nn.Module:

@@ -45,6 +45,13 @@ class Sink(ABC):
         Raises ``SinkError`` when the attempt failed.
         """
 
+    async def get(self, key: str) -> bytes | None:
+        """The object at ``key``, or None when there is none (one attempt; raises on failure).
+
+        Read by the cancel watch (qworker/worker/cancel_watch.py) for a batch's marker.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot read objects back")
+
     @abstractmethod
     async def close(self) -> None:
         """Flush anything pending and release connections; idempotent."""

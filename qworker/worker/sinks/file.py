@@ -88,6 +88,15 @@ class FileSink(Sink):
             return PutResult(False, _read_fingerprint(sidecar))
         return PutResult(True)
 
+    async def get(self, key: str) -> bytes | None:
+        """The file at ``key`` (None when absent), read off the loop."""
+        def read() -> bytes | None:
+            try:
+                return (self.root / key).read_bytes()
+            except FileNotFoundError:
+                return None
+        return await asyncio.to_thread(read)
+
     async def close(self) -> None:
         """Nothing buffered: every put is on disk when it returns."""
 

@@ -23,8 +23,8 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from qworker.worker.aws import BlockingRunner, make_client, s3_options
-from qworker.worker.failures import Refused, StartupError
+from qworker.worker.aws import BlockingRunner, auth_error, make_client, s3_options
+from qworker.worker.failures import AuthError, Refused, StartupError
 from qworker.worker.sinks.base import PutResult, Sink, SinkError
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,11 @@ _REFUSED_CODES = frozenset(
     }
 )
 
+
+#: The key (under the sink's prefix) ``check`` asks S3 about; nothing is ever stored there.
+ACCESS_PROBE_KEY = "_qworker-access-check"
+#: An ETag no object has (not an MD5): a put conditional on it never writes.
+_NO_ETAG = '"qworker-access-check"'
 
 #: The object metadata key holding the request fingerprint (``x-amz-meta-...``).
 FINGERPRINT_META = "qworker-fingerprint"
@@ -137,11 +142,13 @@ class S3Sink(Sink):
         client: Any,
         bucket: str,
         *,
+        prefix: str = "",
         call_timeout: float = 60.0,
         concurrency: int = 16,
     ) -> None:
         self.client = client
         self.bucket = bucket
+        self.prefix = prefix.strip("/")
         self.call_timeout = call_timeout
         self._runner = BlockingRunner(concurrency, "qworker-s3")
         self._slots = asyncio.Semaphore(concurrency)
@@ -156,10 +163,43 @@ class S3Sink(Sink):
             )
 
     async def check(self) -> None:
-        """The bucket exists and is reachable with these credentials (HEAD bucket)."""
+        """The bucket exists and these credentials may write and read results under the
+        prefix (docs/operations.md, "Startup checks"), without storing anything.
+
+        HEAD bucket, then a ``PutObject`` conditional on an ETag no object has
+        (``If-Match``) and a ``HeadObject`` of ``ACCESS_PROBE_KEY``: S3 authorizes a
+        request before it evaluates the condition, so an allowed put is refused 404/412
+        and a denied one 403. ``StartupError`` / ``AuthError`` naming the problem.
+        """
+        await self._check_bucket()
+        key = f"{self.prefix}/{ACCESS_PROBE_KEY}" if self.prefix else ACCESS_PROBE_KEY
+        where = f"s3://{self.bucket}/{self.prefix + '/' if self.prefix else ''}*"
+        for method, extra, action in (("put_object", {"Body": b"", "IfMatch": _NO_ETAG},
+                                       "s3:PutObject"), ("head_object", {}, "s3:GetObject")):
+            try:
+                await self._call(method, Bucket=self.bucket, Key=key, **extra)
+            except Exception as exc:
+                refused = auth_error(exc, f"s3 sink {where}: {action} refused")
+                if refused is not None:
+                    raise refused from None
+                # 404 / 412: allowed. Anything else is found again on the first write.
+                if classify_error(exc) == "retry":
+                    log.warning("s3 %s check of %s could not be made (will retry on use): "
+                                "%s", action, self.bucket, exc)
+                    return
+
+    async def _check_bucket(self) -> None:
         try:
             await self._call("head_bucket", Bucket=self.bucket)
         except Exception as exc:
+            if auth_error(exc, "") is not None:
+                # HEAD answers carry no error code: a 403 is an unknown key, a bad
+                # signature, an expired token or a policy without s3:ListBucket alike.
+                raise AuthError(
+                    f"s3 bucket {self.bucket!r}: HeadBucket refused (403 Forbidden): check "
+                    "the AWS credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
+                    "AWS_SESSION_TOKEN or the role) and that its policy allows s3:ListBucket "
+                    "on the bucket") from None
             if classify_error(exc) in ("fatal", "refused"):
                 raise StartupError(
                     f"s3 bucket {self.bucket!r} is not usable: {_describe(exc)}"
@@ -196,6 +236,17 @@ class S3Sink(Sink):
         log.info("s3 put duplicate key=%s (an object already exists)", key)
         return PutResult(False, await self._stored_fingerprint(key))
 
+    async def get(self, key: str) -> bytes | None:
+        """GET ``key`` on the sink's thread pool (None on NoSuchKey); one attempt."""
+        try:
+            response = await self._call("get_object", Bucket=self.bucket, Key=key)
+        except Exception as exc:
+            code = str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))
+            if code in ("NoSuchKey", "404", "NotFound"):
+                return None
+            raise
+        return await self._runner.run(self.call_timeout, lambda: bytes(response["Body"].read()))
+
     async def _stored_fingerprint(self, key: str) -> str | None:
         try:
             head = await self._call("head_object", Bucket=self.bucket, Key=key)
@@ -220,8 +271,8 @@ def _describe(exc: BaseException) -> str:
 
 def open_sink(uri: str, settings: Any) -> S3Sink:
     """Build the S3 sink for ``s3://bucket/prefix`` (keys given to ``put`` include the prefix)."""
-    bucket, _ = parse_s3_uri(uri)
-    return S3Sink(make_client("s3", s3_options(settings)), bucket)
+    bucket, prefix = parse_s3_uri(uri)
+    return S3Sink(make_client("s3", s3_options(settings)), bucket, prefix=prefix)
 
 
 def batch_prefix(prefix: str, batch_id: str) -> str:

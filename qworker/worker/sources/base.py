@@ -60,6 +60,17 @@ class Source(ABC):
         """Where ``msg`` sits in the source (for dead letters written to the sink)."""
         return {"message_id": msg.message_id}
 
+    async def check(self) -> None:
+        """Before the model loads: the queue, topic or file and its dead-letter target exist
+        and our credentials are accepted (docs/operations.md, "Startup checks").
+
+        Receives nothing and joins no group. Raises ``StartupError`` (``AuthError`` for
+        refused credentials) for a configuration problem, anything else when the server
+        cannot be reached (retried within the source's outage budget). ``start`` checks
+        too when this was not called. The default checks nothing.
+        """
+        return None
+
     @abstractmethod
     async def start(self) -> None:
         """Connect / join the group; called once before ``receive``."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -110,6 +111,18 @@ class FileSource(Source):
     def position(self, msg: Message) -> dict[str, object]:
         """The spool's path and the message's line number."""
         return {"path": str(self.path), "line": int(msg.handle)}
+
+    async def check(self) -> None:
+        """The spool exists and no other worker holds its progress lock."""
+        if not self.path.is_file():
+            raise StartupError(f"source file {self.path} does not exist")
+        with contextlib.suppress(FileNotFoundError), self.progress_path.open("rb") as progress:
+            try:
+                fcntl.flock(progress.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise StartupError(
+                    f"{self.progress_path} is locked: another worker uses this spool"
+                ) from None
 
     async def start(self) -> None:
         """Open the spool, lock and compact the progress log."""

@@ -60,7 +60,7 @@ from aiokafka.structs import OffsetAndMetadata
 
 from qworker.worker.failures import SourceUnavailableError, StartupError
 from qworker.worker.sources.base import Message, Source
-from qworker.worker.sources.kafka_client import KafkaSecurity, check_codecs
+from qworker.worker.sources.kafka_client import KafkaSecurity, check_codecs, check_connection
 from qworker.worker.sources.kafka_lag import RecordProbe, group_lag, stop_quietly
 from qworker.worker.sources.kafka_produce import (
     DLQ_REASON_HEADER,
@@ -181,23 +181,34 @@ class KafkaSource(Source):
         self._paused = False
         self._closed = False
         self._tasks: list[asyncio.Task[None]] = []
+        self._checked = False
 
     # -- lifecycle -------------------------------------------------------------------
 
-    async def start(self) -> None:
-        """Check the topic exists, join the group, start the poll, commit and probe tasks.
+    async def check(self) -> None:
+        """Before the model loads: the brokers accept us, the topic and the DLQ topic exist.
 
-        Raises ``StartupError`` when the topic does not exist (no auto-creation here).
+        Raises ``AuthError`` (refused SASL credentials, an unverified certificate),
+        ``StartupError`` when the topic does not exist (no auto-creation here) or the DLQ
+        topic can be neither found nor created, ``SourceUnavailableError`` when no broker
+        answers. Joins no group.
         """
         check_codecs()
-        if self._consumer is not None:  # an earlier start failed half-way
-            await stop_quietly(self._consumer, self.request_timeout)
-            self._consumer = None
+        await check_connection(self.bootstrap, self.security, self.request_timeout)
         topics = await self._probe.topics()
         if self.topic not in topics:
             raise StartupError(f"kafka topic {self.topic!r} does not exist on {self.bootstrap}")
         if self.dlq_topic not in topics:
             await self._create_dlq_topic()
+        self._checked = True
+
+    async def start(self) -> None:
+        """``check`` (unless done), join the group, start the poll, commit and probe tasks."""
+        if self._consumer is not None:  # an earlier start failed half-way
+            await stop_quietly(self._consumer, self.request_timeout)
+            self._consumer = None
+        if not self._checked:
+            await self.check()
         self._consumer = AIOKafkaConsumer(
             bootstrap_servers=self.bootstrap,
             group_id=self.group,
@@ -231,15 +242,16 @@ class KafkaSource(Source):
         admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap,
                                     request_timeout_ms=int(self.request_timeout * 1000),
                                     **self.security.client_options())
-        await asyncio.wait_for(admin.start(), self.request_timeout)
         try:
+            await asyncio.wait_for(admin.start(), self.request_timeout)
             cluster = await asyncio.wait_for(admin.describe_cluster(), self.request_timeout)
             replicas = max(1, min(3, len(cluster.get("brokers") or [])))
             response = await asyncio.wait_for(
                 admin.create_topics([NewTopic(self.dlq_topic, partitions, replicas)]),
                 self.request_timeout)
         finally:
-            await asyncio.wait_for(admin.close(), self.request_timeout)
+            with contextlib.suppress(Exception):  # closed on every path: no "Unclosed"
+                await asyncio.wait_for(admin.close(), self.request_timeout)
         for error in getattr(response, "topic_errors", []):
             code = error[1]
             if code and for_code(code) is not TopicAlreadyExistsError:

@@ -13,6 +13,12 @@ so the same ``QWORKER_KAFKA_*`` settings reach each of them (docs/configuration.
   signed with the process's AWS credentials (the pod's or task's role) for
   ``region``, from ``aws-msk-iam-sasl-signer-python``, renewed before it expires.
 
+``check_connection`` opens one connection with these options before any client starts:
+aiokafka's clients log a refused SASL exchange or an untrusted certificate and retry
+it as if the broker were down ("Unable to bootstrap"), so the cause would otherwise be
+lost; here it becomes an ``AuthError`` naming the setting to check (exit 1 at start,
+docs/operations.md).
+
 Compression: aiokafka reads gzip itself and snappy, lz4 and zstd through
 ``cramjam``; ``check_codecs`` refuses to start without it, because a consumer that
 cannot decode a batch would otherwise stall on it forever.
@@ -28,6 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiokafka.abc import AbstractTokenProvider
+
+from qworker.worker.failures import AuthError, SourceUnavailableError, auth_failure
 
 SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER")
@@ -180,3 +188,56 @@ class KafkaSecurity:
                 options["sasl_plain_username"] = self.sasl_username
                 options["sasl_plain_password"] = self.sasl_password
         return options
+
+
+async def check_connection(bootstrap: str, security: KafkaSecurity, timeout: float) -> None:
+    """Connect (TLS, SASL) to the first bootstrap broker that answers, then disconnect.
+
+    Raises ``AuthError`` naming the cause when a broker refuses the credentials or its
+    certificate does not verify; ``SourceUnavailableError`` when no broker answers
+    (transient: ridden out like an outage).
+    """
+    from aiokafka.conn import create_conn
+
+    options = security.client_options()
+    last: BaseException | None = None
+    for server in bootstrap.split(","):
+        host, _, port = server.strip().rpartition(":")
+        try:
+            conn = await asyncio.wait_for(create_conn(
+                host.strip("[]"), int(port), request_timeout_ms=int(timeout * 1000), **options),
+                timeout)
+        except Exception as exc:
+            if auth_failure(exc) is not None:
+                raise AuthError(describe_auth_failure(exc, server.strip(), security)) from None
+            last = exc
+            continue
+        conn.close()
+        return
+    raise SourceUnavailableError(f"kafka brokers {bootstrap} unreachable: {last!r}")
+
+
+def describe_auth_failure(exc: BaseException, broker: str, security: KafkaSecurity) -> str:
+    """One line: what the broker refused and which ``QWORKER_KAFKA_*`` settings to check."""
+    cause = auth_failure(exc) or exc
+    detail = " ".join(str(cause).split()) or type(cause).__name__
+    if isinstance(cause, ssl.SSLCertVerificationError):
+        trust = (f"the CA in QWORKER_KAFKA_SSL_CAFILE={security.ssl_cafile}"
+                 if security.ssl_cafile else "the system trust store (no QWORKER_KAFKA_SSL_CAFILE)")
+        return (f"kafka: TLS verification of broker {broker} failed "
+                f"({getattr(cause, 'verify_message', None) or detail}): {trust} does not "
+                "verify its certificate; check QWORKER_KAFKA_SSL_CAFILE")
+    name = type(cause).__name__
+    if "Authorization" in name:
+        return (f"kafka: broker {broker} refused access ({name}: {detail}): the principal "
+                "lacks an ACL for the topic or group")
+    if security.sasl_mechanism == "OAUTHBEARER":
+        return (f"kafka: SASL OAUTHBEARER (MSK IAM) authentication failed at {broker} "
+                f"({name}): check the role's kafka-cluster:Connect permission and "
+                "QWORKER_AWS_REGION")
+    if name == "UnsupportedSaslMechanismError":
+        return (f"kafka: broker {broker} does not offer SASL mechanism "
+                f"{security.sasl_mechanism} ({detail}): check QWORKER_KAFKA_SASL_MECHANISM")
+    return (f"kafka: SASL authentication failed for user {security.sasl_username!r} "
+            f"(mechanism {security.sasl_mechanism}) at {broker}: check "
+            "QWORKER_KAFKA_SASL_USERNAME/_PASSWORD")

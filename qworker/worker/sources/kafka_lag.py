@@ -125,6 +125,10 @@ class RecordProbe:
                 request_timeout_ms=int(self.request_timeout * 1000),
                 **self._options,
             )
-            await asyncio.wait_for(consumer.start(), self.request_timeout)
+            try:
+                await asyncio.wait_for(consumer.start(), self.request_timeout)
+            except BaseException:
+                await stop_quietly(consumer, self.request_timeout)  # no "Unclosed" at exit
+                raise
             self._consumer = consumer
         return self._consumer

@@ -20,7 +20,7 @@ from aiokafka.errors import (
 
 from qworker.worker.failures import Refused
 from qworker.worker.sources.base import Message
-from qworker.worker.sources.kafka_client import KafkaSecurity
+from qworker.worker.sources.kafka_client import KafkaSecurity, check_connection
 from qworker.worker.sources.kafka_lag import stop_quietly
 from qworker.worker.sources.kafka_rebalance import KafkaHandle
 
@@ -135,6 +135,10 @@ async def produce_to(
     ``max_job_bytes`` (what the worker accepts) always fits the client's request limit;
     the broker's own limit (``message.max.bytes``) applies to the compressed batch.
     """
+    security = security or KafkaSecurity()
+    # Refused credentials or an untrusted broker: one AuthError line (exit 1), not
+    # aiokafka's "Unable to bootstrap".
+    await check_connection(bootstrap, security, 30.0)
     producer = AIOKafkaProducer(
         bootstrap_servers=bootstrap,
         enable_idempotence=False,
@@ -142,11 +146,11 @@ async def produce_to(
         linger_ms=5,
         compression_type=compression,
         max_request_size=max(1 << 20, max_job_bytes) + _RECORD_HEADROOM,
-        **(security or KafkaSecurity()).client_options(),
+        **security.client_options(),
     )
-    await producer.start()
     count = 0
     try:
+        await producer.start()  # inside the try: a failed start is stopped too (no "Unclosed")
         pending: list[asyncio.Future[Any]] = []
         for key, body in items:
             pending.append(await producer.send(topic, body, key=key.encode() if key else None))

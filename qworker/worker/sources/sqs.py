@@ -42,7 +42,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from qworker.worker.aws import BlockingRunner, make_client, sqs_options
+from qworker.worker.aws import BlockingRunner, auth_error, make_client, sqs_options
 from qworker.worker.failures import Refused, SourceUnavailableError, StartupError
 from qworker.worker.outage import Backoff, Outage
 from qworker.worker.retry import GaveUp, Retrier
@@ -150,31 +150,18 @@ class SqsSource(Source):
         self.slow_heartbeats = 0
         self._closed = False
         self._closing = False  # close() began: pending deletes get one more try only
+        self._checked = False
 
     async def _call(self, method: str, **kwargs: Any) -> Any:
         return await self._runner.run(self.call_timeout, getattr(self.client, method), **kwargs)
 
-    async def start(self) -> None:
-        """Resolve the queue URL and the redrive DLQ; start the heartbeat task.
+    async def check(self) -> None:
+        """Before the model loads: resolve the queue URL and the dead-letter queue.
 
-        When the queue already holds messages, returns once the first poll delivered
-        some (at most ``start_wait`` s), so the caller's first ``receive`` sees them.
+        Raises ``StartupError`` for a missing queue or DLQ, ``AuthError`` when AWS refuses
+        the credentials or the policy does not allow the calls; receives nothing.
         """
-        try:
-            if not self.queue_url:
-                found = await self._call("get_queue_url", QueueName=self.queue)
-                self.queue_url = found["QueueUrl"]
-            attrs = (
-                await self._call(
-                    "get_queue_attributes",
-                    QueueUrl=self.queue_url,
-                    AttributeNames=["RedrivePolicy", "ApproximateNumberOfMessages"],
-                )
-            ).get("Attributes", {})
-        except Exception as exc:
-            if _is_missing_queue(exc):
-                raise StartupError(f"sqs queue {self.queue!r} does not exist") from None
-            raise
+        attrs = await self._queue_attributes(["RedrivePolicy"])
         if self.dlq_url is None:
             self.dlq_url = await self._redrive_target(attrs.get("RedrivePolicy"))
         else:
@@ -183,6 +170,32 @@ class SqsSource(Source):
             log.warning("sqs queue %s has no dead-letter queue (no RedrivePolicy, no "
                         "sqs_dlq_url): messages that cannot be jobs go to the sink's "
                         "_dead_letters/", self.queue_url)
+        self._checked = True
+
+    async def _queue_attributes(self, names: list[str]) -> dict[str, str]:
+        try:
+            if not self.queue_url:
+                found = await self._call("get_queue_url", QueueName=self.queue)
+                self.queue_url = found["QueueUrl"]
+            return dict((await self._call("get_queue_attributes", QueueUrl=self.queue_url,
+                                          AttributeNames=names)).get("Attributes", {}))
+        except Exception as exc:
+            if _is_missing_queue(exc):
+                raise StartupError(f"sqs queue {self.queue!r} does not exist") from None
+            refused = auth_error(exc, f"sqs queue {self.queue!r}")
+            if refused is not None:
+                raise refused from None
+            raise
+
+    async def start(self) -> None:
+        """``check`` (unless done), then start the heartbeat task.
+
+        When the queue already holds messages, returns once the first poll delivered
+        some (at most ``start_wait`` s), so the caller's first ``receive`` sees them.
+        """
+        if not self._checked:
+            await self.check()
+        attrs = await self._queue_attributes(["ApproximateNumberOfMessages"])
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="sqs-heartbeat")
         self._deleter = asyncio.create_task(self._delete_loop(), name="sqs-delete")
         self._releaser = asyncio.create_task(self._release_loop(), name="sqs-release")
@@ -209,6 +222,9 @@ class SqsSource(Source):
             if _is_missing_queue(exc):
                 raise StartupError(f"the redrive dead-letter queue {arn} of sqs queue "
                                    f"{self.queue!r} does not exist") from None
+            refused = auth_error(exc, f"sqs dead-letter queue {arn}")
+            if refused is not None:
+                raise refused from None
             raise
         return str(found["QueueUrl"])
 
@@ -221,6 +237,9 @@ class SqsSource(Source):
             if _is_missing_queue(exc):
                 raise StartupError(f"sqs dead-letter queue {url!r} (sqs_dlq_url) does not "
                                    "exist") from None
+            refused = auth_error(exc, f"sqs dead-letter queue {url!r}")
+            if refused is not None:
+                raise refused from None
             raise
 
     @property
@@ -252,7 +271,8 @@ class SqsSource(Source):
                 return out
             if self._poll_error is not None:
                 self._ensure_poll(max_messages)  # the next try (after a short backoff)
-                raise SourceUnavailableError(f"sqs receive failed: {self._poll_error}")
+                raise SourceUnavailableError(
+                    f"sqs receive failed: {self._poll_error}") from self._poll_error
             self._ensure_poll(max_messages)
             remaining = deadline - time.monotonic()
             if remaining <= 0:

@@ -1,5 +1,6 @@
 """tensor_parallel_size=2 on the CPU (gloo, 2 processes) against tensor_parallel_size=1
-and transformers, token for token: every architecture, chunked prefill, prefix caching,
+and transformers, token for token: every architecture (Gemma, Phi-3, MoE and an FP8
+checkpoint included), chunked prefill, prefix caching,
 preemption (recompute and swap), seeded sampling with n > 1, structured outputs and
 overlapped (async) steps; each rank holding about half the weights.
 
@@ -11,6 +12,8 @@ one spawn.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -67,6 +70,42 @@ class _Pair:
         return one, two
 
 
+def _in_another_process(code: str, *args: str) -> str:
+    """Run ``code`` (argv: ``args``) in a fresh interpreter; its stdout. compressed-tensors
+    broadcasts over an initialised torch.distributed (writing, and transformers loading
+    a checkpoint), and this process is rank 0 of the module's group."""
+    done = subprocess.run([sys.executable, "-c", code, *args], check=True, text=True,
+                          cwd=Path(__file__).parents[3], capture_output=True, timeout=300)
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def tiny_fp8_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Llama as compressed-tensors FP8 with static per-tensor input scales (the CPU
+    emulates its activations; the split computes what one rank does)."""
+    root = tmp_path_factory.mktemp("tiny_fp8")
+    dense = make_tiny_model_dir("llama", root / "dense", seed=41)
+    _in_another_process(
+        "import sys; from pathlib import Path; "
+        "from tests.engine.reference import random_prompts; "
+        "from tests.models.quant.checkpoints import write_compressed_tensors; "
+        "write_compressed_tensors(Path(sys.argv[1]), Path(sys.argv[2]), 'FP8', "
+        "calibration=random_prompts(3, 5, 30, seed=9))", str(dense), str(root / "fp8"))
+    return root / "fp8"
+
+
+def _hf_greedy_all(path: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """transformers' greedy continuations (``hf_greedy``), from another process for an
+    FP8 checkpoint (see ``_in_another_process``)."""
+    if not (path / "config.json").read_text().count("quantization_config"):
+        return [hf_greedy(path, prompt, n) for prompt in prompts]
+    out = _in_another_process(
+        "import json, sys; from tests.engine.reference import hf_greedy; "
+        "print(json.dumps([hf_greedy(sys.argv[1], p, int(sys.argv[3])) "
+        "for p in json.loads(sys.argv[2])]))", str(path), json.dumps(prompts), str(n))
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def _checkpoint_bytes(path: Path) -> int:
     from safetensors import safe_open
 
@@ -102,6 +141,28 @@ def test_two_ranks_match_one_rank_and_transformers_for_every_architecture(
         whole = _checkpoint_bytes(path)
         assert len(sizes) == 2
         for size in sizes:  # replicated norms (and the MQA's one KV head) on top of half
+            assert 0.5 * whole <= size < 0.62 * whole, (sizes, whole)
+
+
+@pytest.mark.parametrize(("fixture", "kwargs"), [
+    pytest.param("tiny_gemma2_dir", {}, id="gemma2"),
+    pytest.param("tiny_qwen2_moe_dir", {}, id="qwen2-moe-shared-expert"),
+    # longrope: a 64-token context keeps the short factors, as transformers picks them
+    pytest.param("tiny_phi3_dir", {"max_model_len": 64}, id="phi3"),
+    pytest.param("tiny_fp8_dir", {}, id="fp8-compressed-tensors"),
+])
+def test_gemma_moe_phi3_and_fp8_on_two_ranks_match_one_rank_and_transformers(
+        group: TensorParallelGroup, fixture: str, kwargs: dict[str, Any],
+        request: pytest.FixtureRequest) -> None:
+    path = request.getfixturevalue(fixture)
+    prompts = random_prompts(4, 1, 40, seed=2)
+    with _Pair(group, path, **kwargs) as pair:
+        one, two = pair.both(prompts, _greedy(6))
+        assert _tokens(two) == _tokens(one)
+        assert [o.outputs[0].token_ids for o in two] == _hf_greedy_all(path, prompts, 6)
+        sizes = pair.tp2.engine.runner.weight_bytes_per_rank
+        whole = _checkpoint_bytes(path)
+        for size in sizes:  # replicated norms and routers on top of half
             assert 0.5 * whole <= size < 0.62 * whole, (sizes, whole)
 
 

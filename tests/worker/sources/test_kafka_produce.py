@@ -33,8 +33,10 @@ def test_a_job_of_exactly_max_job_bytes_is_produced_and_read_back(
     (tmp_path / "in.jsonl").write_text(line + "\n")
     if codec:
         monkeypatch.setenv("QWORKER_KAFKA_COMPRESSION", codec)
+    # --completion-window none: the line is sent as it is (no deadline stamped on it)
     assert main(["produce", "-i", str(tmp_path / "in.jsonl"), "--to",
-                 f"kafka://{kafka_broker}/{topic}", "--no-manifest"]) == 0
+                 f"kafka://{kafka_broker}/{topic}", "--no-manifest",
+                 "--completion-window", "none"]) == 0
 
     async def read() -> list[bytes]:
         source = KafkaSource(kafka_broker, topic, "g-big", session_timeout_ms=3000,
