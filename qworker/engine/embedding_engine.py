@@ -327,10 +327,8 @@ class EmbeddingEngine:
 
     def _output(self, request: EmbeddingRequest) -> RequestOutput:
         stacked = torch.stack([v for v in request.vectors if v is not None])
-        if request.dimensions is not None and request.dimensions < stacked.shape[1]:
-            stacked = stacked[:, : request.dimensions]
-            if self.rule.normalize:  # Matryoshka truncation: unit length again
-                stacked = F.normalize(stacked, p=2, dim=-1)
+        if request.dimensions is not None:  # Matryoshka: cut, then unit length again
+            stacked = F.normalize(stacked[:, : request.dimensions], p=2, dim=-1)
         request.metrics.finished_time = time.time()
         return RequestOutput(request.request_id, None,
                              [t for ids in request.inputs for t in ids], [], True,

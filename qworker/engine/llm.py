@@ -108,7 +108,7 @@ class LLM:
         """One embedding per input, in the order of ``inputs`` (task "embed").
 
         ``inputs``: a string, a list of token ids, or a list of either. ``dimensions``
-        keeps the first N components (normalized again when the model normalizes).
+        keeps the first N components, scaled back to unit length.
         Every input is validated before any runs (ValueError naming the problem). Inputs
         go to the engine shortest first, so each packed step holds inputs of similar
         length (less padding inside attention; docs/embeddings.md).

@@ -56,7 +56,8 @@ class RequestOutput:
 @dataclass(slots=True)
 class EmbeddingOutput:
     """One input's embedding from ``LLM.embed``: its ``index`` among the inputs, the
-    vector (pooled, normalized when the model normalizes, ``dimensions`` applied) and
+    vector (pooled, normalized when the model normalizes; with ``dimensions``: cut and
+    normalized) and
     how many tokens the input had."""
 
     index: int

@@ -84,13 +84,19 @@ def test_dimensions_truncate_then_renormalize(tmp_path: Path) -> None:
     torch.testing.assert_close(got[0], want, atol=ATOL, rtol=0)
 
 
-def test_unnormalized_mean_pooling_keeps_the_raw_vector(tmp_path: Path) -> None:
+def test_unnormalized_mean_pooling_keeps_the_raw_vector_until_cut_to_dimensions(
+        tmp_path: Path) -> None:
     path = add_sentence_transformers_modules(
         make_embedding_dir("bert", tmp_path / "m", seed=4), ["mean"], normalize=False)
     inputs = random_inputs([9, 4, 20], seed=4)
-    got, _ = _embed_requests(_engine(path, max_num_batched_tokens=16), [inputs[:2], inputs[2:]])
+    engine = _engine(path, max_num_batched_tokens=16)
+    got, _ = _embed_requests(engine, [inputs[:2], inputs[2:]])
     want = reference_vectors(path, inputs, ["mean"], normalize=False)
     torch.testing.assert_close(torch.cat(got), want, atol=ATOL, rtol=0)
+    assert (want.norm(dim=-1) - 1).abs().min() > 0.01
+    cut, _ = _embed_requests(engine, [inputs], dimensions=8)  # cut vectors: unit length
+    torch.testing.assert_close(cut[0], torch.nn.functional.normalize(want[:, :8], dim=-1),
+                               atol=ATOL, rtol=0)
 
 
 def test_masked_lm_checkpoint_loads_its_encoder(tmp_path: Path) -> None:
