@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
+if TYPE_CHECKING:
+    from qworker.engine.embedding_engine import EmbeddingEngine
+
 VOCAB = 512
+#: fp32 parity with transformers' hidden states under the pooling rule.
+ATOL = 1e-5
 
 _CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "bert": ("BertConfig", "BertModel", {
@@ -101,3 +106,19 @@ def random_inputs(lengths: list[int], seed: int = 0, low: int = 3) -> list[list[
     """Token-id inputs of the given lengths (ids in ``[low, VOCAB)``)."""
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(low, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
+def embed_requests(engine: EmbeddingEngine, requests: list[list[list[int]]],
+                   dimensions: int | None = None) -> tuple[list[torch.Tensor], int]:
+    """Every request's vectors (in request order) and the steps it took."""
+    for i, inputs in enumerate(requests):
+        engine.add_embedding(f"r{i}", inputs, dimensions)
+    outs, steps = {}, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.finished and out.outputs == [] and out.request_id not in outs
+            outs[out.request_id] = out
+        steps += 1
+    for i, inputs in enumerate(requests):
+        assert outs[f"r{i}"].prompt_token_ids == [t for ids in inputs for t in ids]
+    return [torch.tensor(outs[f"r{i}"].embeddings) for i in range(len(requests))], steps

@@ -11,34 +11,18 @@ import torch
 from qworker.engine.config import EngineConfig
 from qworker.engine.embedding_engine import EmbeddingEngine
 from tests.models.embedding_dirs import (
+    ATOL,
     add_sentence_transformers_modules,
+    embed_requests,
     make_embedding_dir,
     random_inputs,
     reference_vectors,
 )
 
-ATOL = 1e-5
-
 
 def _engine(path: Path, **kwargs: object) -> EmbeddingEngine:
     return EmbeddingEngine(EngineConfig(model=str(path), dtype="float32", device="cpu",
                                         task="embed", **kwargs))
-
-
-def _embed_requests(engine: EmbeddingEngine, requests: list[list[list[int]]],
-                    dimensions: int | None = None) -> tuple[list[torch.Tensor], int]:
-    """Every request's vectors (in request order) and the steps it took."""
-    for i, inputs in enumerate(requests):
-        engine.add_embedding(f"r{i}", inputs, dimensions)
-    outs, steps = {}, 0
-    while engine.has_unfinished():
-        for out in engine.step():
-            assert out.finished and out.outputs == [] and out.request_id not in outs
-            outs[out.request_id] = out
-        steps += 1
-    for i, inputs in enumerate(requests):
-        assert outs[f"r{i}"].prompt_token_ids == [t for ids in inputs for t in ids]
-    return [torch.tensor(outs[f"r{i}"].embeddings) for i in range(len(requests))], steps
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +36,7 @@ def test_bert_without_modules_json_pools_cls_normalized_across_packed_steps(
     assert (engine.embedding_dim, engine.max_model_len) == (64, 96)
     inputs = random_inputs([3, 17, 9, 30, 50, 5, 1, 12])
     requests = [inputs[0:2], inputs[2:3], inputs[3:6], inputs[6:8]]
-    got, steps = _embed_requests(engine, requests)
+    got, steps = embed_requests(engine, requests)
     assert steps >= 4  # 40-token budget: 126 tokens, and the 50-token input runs alone
     want = reference_vectors(bert_dir, inputs, ["cls"], normalize=True)
     torch.testing.assert_close(torch.cat(got), want, atol=ATOL, rtol=0)
@@ -67,7 +51,7 @@ def test_sentence_transformers_folder_concatenates_modes_and_caps_the_length(
     engine = _engine(path)
     assert (engine.embedding_dim, engine.max_model_len) == (3 * 64, 24)
     inputs = random_inputs([24, 2, 11, 7], seed=2)
-    got, steps = _embed_requests(engine, [inputs])
+    got, steps = embed_requests(engine, [inputs])
     assert steps == 1
     want = reference_vectors(path, inputs, ["cls", "max", "mean"], normalize=True)
     torch.testing.assert_close(got[0], want, atol=ATOL, rtol=0)
@@ -77,7 +61,7 @@ def test_dimensions_truncate_then_renormalize(tmp_path: Path) -> None:
     path = add_sentence_transformers_modules(
         make_embedding_dir("bert", tmp_path / "m", seed=3), ["mean"], normalize=True)
     inputs = random_inputs([6, 13], seed=3)
-    got, _ = _embed_requests(_engine(path), [inputs], dimensions=16)
+    got, _ = embed_requests(_engine(path), [inputs], dimensions=16)
     full = reference_vectors(path, inputs, ["mean"], normalize=True)
     want = torch.nn.functional.normalize(full[:, :16], dim=-1)
     assert got[0].shape == (2, 16)
@@ -90,11 +74,11 @@ def test_unnormalized_mean_pooling_keeps_the_raw_vector_until_cut_to_dimensions(
         make_embedding_dir("bert", tmp_path / "m", seed=4), ["mean"], normalize=False)
     inputs = random_inputs([9, 4, 20], seed=4)
     engine = _engine(path, max_num_batched_tokens=16)
-    got, _ = _embed_requests(engine, [inputs[:2], inputs[2:]])
+    got, _ = embed_requests(engine, [inputs[:2], inputs[2:]])
     want = reference_vectors(path, inputs, ["mean"], normalize=False)
     torch.testing.assert_close(torch.cat(got), want, atol=ATOL, rtol=0)
     assert (want.norm(dim=-1) - 1).abs().min() > 0.01
-    cut, _ = _embed_requests(engine, [inputs], dimensions=8)  # cut vectors: unit length
+    cut, _ = embed_requests(engine, [inputs], dimensions=8)  # cut vectors: unit length
     torch.testing.assert_close(cut[0], torch.nn.functional.normalize(want[:, :8], dim=-1),
                                atol=ATOL, rtol=0)
 
@@ -104,7 +88,7 @@ def test_masked_lm_checkpoint_loads_its_encoder(tmp_path: Path) -> None:
 
     path = make_embedding_dir("bert", tmp_path / "mlm", model_class="BertForMaskedLM", seed=5)
     inputs = random_inputs([8, 15], seed=5)
-    got, _ = _embed_requests(_engine(path), [inputs])
+    got, _ = embed_requests(_engine(path), [inputs])
     mlm = transformers.BertForMaskedLM.from_pretrained(str(path)).eval()
     with torch.no_grad():
         cls = torch.stack([mlm.bert(input_ids=torch.tensor([ids])).last_hidden_state[0, 0]
@@ -119,7 +103,7 @@ def test_xlm_roberta_positions_start_after_the_padding_index(tmp_path: Path) -> 
     engine = _engine(path, max_num_batched_tokens=64)
     assert engine.max_model_len == 66 - 2  # positions 0..1 belong to padding
     inputs = random_inputs([64, 5, 33, 12], seed=6)
-    got, steps = _embed_requests(engine, [inputs[:1], inputs[1:]])
+    got, steps = embed_requests(engine, [inputs[:1], inputs[1:]])
     assert steps == 2
     want = reference_vectors(path, inputs, ["mean"], normalize=True)
     torch.testing.assert_close(torch.cat(got), want, atol=ATOL, rtol=0)

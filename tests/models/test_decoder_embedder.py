@@ -13,12 +13,13 @@ from qworker.engine.embedding_engine import EmbeddingEngine
 from qworker.models.embedding_loader import resolve_task
 from tests.fixtures.models import make_tiny_model_dir
 from tests.models.embedding_dirs import (
+    ATOL,
     add_sentence_transformers_modules,
+    embed_requests,
     make_embedding_dir,
     random_inputs,
     reference_vectors,
 )
-from tests.models.test_bert import ATOL, _embed_requests
 
 
 def _engine(path: Path, **kwargs: object) -> EmbeddingEngine:
@@ -36,7 +37,7 @@ def test_decoder_backbone_pools_the_last_token_normalized_by_default(
     engine = _engine(path, max_num_batched_tokens=48)
     assert engine.embedding_dim == 64
     inputs = random_inputs([5, 31, 12, 1, 40, 9], seed=7)
-    got, steps = _embed_requests(engine, [inputs[:3], inputs[3:5], inputs[5:]])
+    got, steps = embed_requests(engine, [inputs[:3], inputs[3:5], inputs[5:]])
     assert steps >= 3
     want = reference_vectors(path, inputs, ["lasttoken"], normalize=True)
     torch.testing.assert_close(torch.cat(got), want, atol=ATOL, rtol=0)
@@ -53,7 +54,7 @@ def test_causal_lm_in_a_sentence_transformers_folder_embeds_with_its_pooling(
     engine = _engine(path, task="auto")
     assert engine.max_model_len == 100
     inputs = random_inputs([7, 22, 3], seed=8)
-    got, _ = _embed_requests(engine, [inputs])
+    got, _ = embed_requests(engine, [inputs])
     lm = transformers.AutoModelForCausalLM.from_pretrained(str(path)).eval()
     with torch.no_grad():
         want = torch.stack([lm.model(input_ids=torch.tensor([ids])).last_hidden_state[0].mean(0)
