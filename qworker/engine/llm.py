@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 from collections.abc import Sequence
 from typing import Any
 
+from qworker.engine import open_engine
 from qworker.engine.config import EngineConfig
+from qworker.engine.embedding_engine import EmbeddingEngine
 from qworker.engine.engine import Engine
-from qworker.engine.outputs import RequestOutput
+from qworker.engine.outputs import EmbeddingOutput, RequestOutput
 from qworker.engine.sampling_params import SamplingParams
 from qworker.engine.stats import EngineStats
 from qworker.errors import InvalidRequestError
@@ -20,21 +23,25 @@ Prompt = str | list[int]
 
 
 class LLM:
-    """Load a model once, then ``generate`` / ``chat`` over batches of prompts.
+    """Load a model once, then ``generate`` / ``chat`` over batches of prompts, or
+    ``embed`` inputs when the model serves task "embed".
 
-    Keyword arguments are ``EngineConfig`` fields (docs/configuration.md, "Engine").
-    Not thread-safe: use ``Engine`` directly to drive generation from another thread.
+    Keyword arguments are ``EngineConfig`` fields (docs/configuration.md, "Engine");
+    ``task`` picks the engine (``open_engine``). Not thread-safe: use ``Engine`` /
+    ``EmbeddingEngine`` directly to drive them from another thread.
     """
+
+    engine: Any  # Engine | EmbeddingEngine
 
     def __init__(self, model: str, **kwargs: Any) -> None:
         unknown = set(kwargs) - set(EngineConfig.__dataclass_fields__)
         if unknown:
             raise TypeError(f"LLM got unknown arguments: {sorted(unknown)}")
-        self.engine = Engine(EngineConfig(model=str(model), **kwargs))
+        self.engine = open_engine(EngineConfig(model=str(model), **kwargs))
         self._ids = itertools.count()
 
     @classmethod
-    def from_engine(cls, engine: Engine) -> LLM:
+    def from_engine(cls, engine: Engine | EmbeddingEngine) -> LLM:
         """An ``LLM`` over an ``Engine`` built elsewhere (one given a tensor-parallel group
         to share, say)."""
         llm = cls.__new__(cls)
@@ -62,6 +69,7 @@ class LLM:
         ``prompts``: a string, a list of token ids, or a list of either. Every prompt is
         validated before any runs (ValueError naming the problem).
         """
+        self._require("generate", "generate")
         prompt_list = _as_prompt_list(prompts)
         params = _align_params(sampling_params, len(prompt_list))
         validated = [self.engine.validate_prompt(p, sp)
@@ -75,6 +83,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate replies to message lists through the tokenizer's chat template."""
+        self._require("generate", "chat")
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
         ids = [self.engine.encode_chat(list(c)) for c in conversations]  # type: ignore[arg-type]
@@ -86,12 +95,67 @@ class LLM:
                     max_tokens: int = 32, length_penalty: float = 1.0,
                     ignore_eos: bool = False) -> list[RequestOutput]:
         """Beam search over the paged engine (``qworker.engine.beam_search``), best beam first."""
+        self._require("generate", "beam_search")
         try:
             from qworker.engine.beam_search import beam_search
         except ImportError as exc:
             raise NotImplementedError("beam search is not available in this build") from exc
         return beam_search(self, prompts, beam_width=beam_width, max_tokens=max_tokens,
                            length_penalty=length_penalty, ignore_eos=ignore_eos)
+
+    def embed(self, inputs: Prompt | Sequence[Prompt], dimensions: int | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingOutput]:
+        """One embedding per input, in the order of ``inputs`` (task "embed").
+
+        ``inputs``: a string, a list of token ids, or a list of either. ``dimensions``
+        keeps the first N components, scaled back to unit length.
+        Every input is validated before any runs (ValueError naming the problem). Inputs
+        go to the engine shortest first, so each packed step holds inputs of similar
+        length (less padding inside attention; docs/embeddings.md).
+        """
+        self._require("embed", "embed")
+        engine: EmbeddingEngine = self.engine
+        items = _as_prompt_list(inputs)
+        engine.check_dimensions(dimensions)
+        ids = [engine.validate_embedding_input(item) for item in items]
+        order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+        names = {f"emb-{next(self._ids)}": i for i in order}
+        for rid, i in names.items():
+            engine.add_embedding(rid, [ids[i]], dimensions)
+        vectors: list[list[float] | None] = [None] * len(ids)
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Embedded inputs", dynamic_ncols=True)
+        try:
+            while engine.has_unfinished():
+                for out in engine.step():
+                    vectors[names[out.request_id]] = (out.embeddings or [None])[0]
+                    if bar is not None:
+                        bar.update(1)
+        except BaseException:
+            for rid in names:
+                engine.abort(rid)
+            with contextlib.suppress(Exception):  # leave the engine empty for the next call
+                while engine.has_unfinished():
+                    engine.step()
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        missing = [i for i, v in enumerate(vectors) if v is None]
+        if missing:
+            raise RuntimeError(f"the engine returned no embedding for inputs {missing[:5]}")
+        return [EmbeddingOutput(i, v, len(ids[i]))  # type: ignore[arg-type]
+                for i, v in enumerate(vectors)]
+
+    def _require(self, task: str, call: str) -> None:
+        """ValueError naming the task when ``call`` does not fit the engine's task."""
+        have = getattr(self.engine, "task", "generate")
+        if have != task:
+            raise ValueError(f"LLM.{call} needs task '{task}', but this model was loaded "
+                             f"with task '{have}'")
 
     def stats(self) -> EngineStats:
         """The engine's counters and pool figures (``EngineStats``; ``stats["key"]`` works)."""

@@ -35,7 +35,12 @@ class RequestMetrics:
 
 @dataclass(slots=True)
 class RequestOutput:
-    """A request's prompt and its completions; ``finished`` once every completion ended."""
+    """A request's prompt and its completions; ``finished`` once every completion ended.
+
+    An embedding request (``EmbeddingEngine``) has no completions: ``embeddings`` holds
+    one vector per input, in input order, and ``prompt_token_ids`` all its inputs' ids
+    concatenated. It stays None for generation and for an aborted embedding request.
+    """
 
     request_id: str
     prompt: str | None
@@ -46,3 +51,15 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = field(default=None)
     embeddings: list[list[float]] | None = None
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """One input's embedding from ``LLM.embed``: its ``index`` among the inputs, the
+    vector (pooled, normalized when the model normalizes; with ``dimensions``: cut and
+    normalized) and
+    how many tokens the input had."""
+
+    index: int
+    embedding: list[float]
+    prompt_tokens: int

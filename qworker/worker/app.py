@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 
 
 def build_engine(settings: WorkerSettings) -> EngineLike:
-    """The echo engine for ``echo://`` models, else the real ``Engine`` (loads weights)."""
+    """The echo engine for ``echo://`` models, else the real engine for the settings' task
+    (``open_engine``: ``Engine`` or ``EmbeddingEngine``; loads weights)."""
     if settings.is_echo:
         from qworker.worker.echo_engine import EchoEngine
 
@@ -36,9 +37,9 @@ def build_engine(settings: WorkerSettings) -> EngineLike:
         if settings.served_model_name:
             echo.model_name = settings.served_model_name
         return echo
-    from qworker.engine.engine import Engine
+    from qworker.engine import open_engine
 
-    return Engine(settings.engine_config())
+    return open_engine(settings.engine_config())
 
 
 async def serve(settings: WorkerSettings, pending_signals: list[int] | None = None,

@@ -76,6 +76,9 @@ NOT_RUN: dict[tuple[str, str, int], str] = {
         "`make test` is this suite itself; `make run` runs the bundled SmolLM2 on CPU for "
         "~30 s (scripts/bench_make_run.py measures it; the worker path it takes, the file "
         "spool into a file sink, is tests/worker's)",
+    ("docs/embeddings.md", "# Embeddings", 0):
+        "a placeholder model path (/models/all-MiniLM-L6-v2); LLM.embed on the real model is "
+        "tests/engine/test_embedding_engine.py's",
     ("deploy/README.md", "## 1. Build and push the image", 0):
         "needs terraform, an AWS account and docker (none here); tests/deploy holds the "
         "Dockerfile and terraform to the code",
