@@ -149,8 +149,10 @@ def test_sigterm_while_the_source_is_connecting_exits_within_the_drain_budget(
     Found by the Kafka campaign: a worker SIGTERMed while joining its consumer group
     drained only once the join completed (13 s, over a 10 s budget); a join can last
     up to the group's rebalance timeout. Here the "broker" accepts connections and
-    never answers, so the start cannot finish: the worker must still exit within its
-    drain budget, with 75 (drained; whether the source holds work is unknown).
+    never answers, so neither the startup check nor the start can finish (since the
+    checks run before the model loads, the worker waits in the check's connection): the
+    worker must still exit within its drain budget, with 75 (drained; whether the source
+    holds work is unknown).
     """
     import os
     import socket
@@ -175,10 +177,11 @@ def test_sigterm_while_the_source_is_connecting_exits_within_the_drain_budget(
     try:
         end = time.monotonic() + 60
         log_path = tmp_path / "worker.log"
-        while time.monotonic() < end and "serving jobs from" not in log_path.read_text():
+        while time.monotonic() < end and "metrics on http" not in log_path.read_text():
             assert proc.poll() is None, log_path.read_text()[-2000:]
             time.sleep(0.2)
-        time.sleep(1)  # now inside source.start(), connecting to the tarpit
+        time.sleep(1)  # now inside the source's check, connecting to the tarpit
+        assert proc.poll() is None and "serving jobs from" not in log_path.read_text()
         proc.terminate()
         started = time.monotonic()
         rc = proc.wait(timeout=60)
