@@ -215,18 +215,23 @@ class Fp8RowParallelLinear(Fp8FusedLinear):
             raise KeyError(f"{kind}: not a parameter of an FP8 layer")
 
 
+def _init_act_quant(layer: torch.nn.Module, act: ActQuant, group_size: int | None) -> None:
+    """The activation-quantization state of an ``ActQuant*ParallelLinear``: the scheme, its
+    group size, and a static scale to load (``STATIC_TENSOR`` only)."""
+    layer.act = act
+    layer.group_size = group_size
+    layer.input_scale = (torch.nn.Parameter(torch.empty(1), requires_grad=False)
+                         if act is ActQuant.STATIC_TENSOR else None)
+    layer._input_scale_seen = set()
+
+
 class ActQuantColumnParallelLinear(ColumnParallelLinear, _InputScale):
     """A dense column-parallel slice whose input is FP8-quantized-dequantized (CPU)."""
 
     def __init__(self, in_features: int, parts: dict[str, RowRange], bias: bool,
                  fused_checkpoint: bool, act: ActQuant, group_size: int | None) -> None:
         super().__init__(in_features, parts, bias, fused_checkpoint)
-        self.act = act
-        self.group_size = group_size
-        static = act is ActQuant.STATIC_TENSOR
-        self.input_scale = (torch.nn.Parameter(torch.empty(1), requires_grad=False)
-                            if static else None)
-        self._input_scale_seen = set()
+        _init_act_quant(self, act, group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``fq(x) @ W_r.T + b_r``."""
@@ -246,12 +251,7 @@ class ActQuantRowParallelLinear(RowParallelLinear, _InputScale):
     def __init__(self, cols: RowRange, out_features: int, bias: bool, shard: ShardInfo,
                  reduce: bool, act: ActQuant, group_size: int | None) -> None:
         super().__init__(cols, out_features, bias, shard, reduce)
-        self.act = act
-        self.group_size = group_size
-        static = act is ActQuant.STATIC_TENSOR
-        self.input_scale = (torch.nn.Parameter(torch.empty(1), requires_grad=False)
-                            if static else None)
-        self._input_scale_seen = set()
+        _init_act_quant(self, act, group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``sum over ranks (fq(x_r) @ W_r.T) + b``."""
