@@ -354,3 +354,31 @@ def test_completion_window_none_sends_lines_unstamped_and_a_bad_one_is_refused(
                  "--results", results, "--completion-window", "tomorrow"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "must be a duration such as 24h" in err
+
+
+def test_the_status_cache_does_not_outlive_a_batch_produced_again_in_an_emptied_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import shutil
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    root = tmp_path / "results"
+    results, put = f"file://{root}", _put_file(root)
+    batch = _produce(tmp_path, results, "--batch-id", "again", capsys=capsys)
+    for cid in IDS:
+        put(result_key("", batch, cid), dumps(error_record(cid, batch, "model_not_found",
+                                                           "no such model", param="model")))
+
+    def cached_status() -> dict[str, Any]:
+        capsys.readouterr()
+        assert main(["status", "--from", results, "--batch-id", batch]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    assert cached_status()["request_counts"] == {"total": 6, "completed": 0, "failed": 6}
+    shutil.rmtree(root)  # the same folder and batch id, a new run
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() + 5)  # a later second
+    assert _produce(tmp_path, results, "--batch-id", "again", capsys=capsys) == batch
+    for cid in IDS:
+        put(result_key("", batch, cid), dumps(_served(tmp_path, batch, cid)))
+    assert cached_status()["request_counts"] == {"total": 6, "completed": 6, "failed": 0}
