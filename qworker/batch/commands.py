@@ -91,7 +91,8 @@ def add_parsers(
         description="Write <results>/<batch>/_cancel.json once. Workers holding the batch's "
         "jobs see it within QWORKER_CANCEL_CHECK_SECONDS: jobs not yet in the engine get a "
         "batch_cancelled record, jobs already generating finish. A second cancel changes "
-        "nothing. `status` shows cancelling, then cancelled once every job has a record.",
+        "nothing. `status` shows cancelling, then cancelled once every job has a record. "
+        "A batch that already ended (completed, expired) is refused.",
     )
     can.add_argument("--from", dest="from_uri", required=True, help="s3://... or file://...")
     can.add_argument("--batch-id", required=True, help="the batch to cancel")

@@ -35,7 +35,7 @@ import orjson
 from qworker.batch.files import is_s3
 from qworker.batch.manifest import read_manifest
 from qworker.batch.store import BatchStore
-from qworker.schema import cancel_key, collected_key, failed_key
+from qworker.schema import batch_folder, cancel_key, collected_key, failed_key, result_key
 
 CANCEL_OBJECT = "qworker.cancel"
 FAILED_OBJECT = "qworker.failed"
@@ -96,12 +96,29 @@ def cancel_batch(store: BatchStore, batch_id: str) -> tuple[CancelMarker, bool]:
 
     Refuses (ValueError) a batch without a manifest: a mistyped id would otherwise
     leave a marker that cancels nothing, and ``status`` could never show it ending.
+    Refuses a batch that already ended (every job has a result, or its completion window
+    passed), as OpenAI does: a completed or expired batch stays so, never ``cancelled``.
     """
-    if read_manifest(store, batch_id) is None:
+    from qworker.batch.listing import split_points
+
+    manifest = read_manifest(store, batch_id)
+    if manifest is None:
         raise ValueError(f"no batch {batch_id!r} here (no manifest): only a batch sent by "
                          "`qworker produce` can be cancelled")
     marker = CancelMarker(batch_id, int(time.time()))
-    return marker, store.put_new(cancel_key(store.prefix, batch_id), marker.to_json())
+    key = cancel_key(store.prefix, batch_id)
+    expected = [result_key(store.prefix, batch_id, cid) for cid in manifest.custom_ids]
+    names = set(store.list_names(batch_folder(store.prefix, batch_id),
+                                 split_points(expected, 16)))
+    if key not in names:
+        if manifest.expires_at is not None and marker.cancelling_at >= manifest.expires_at:
+            raise ValueError(f"batch {batch_id!r} has already ended: its completion window "
+                             f"passed at {manifest.expires_at} (status expired); an ended "
+                             "batch cannot be cancelled")
+        if all(k in names for k in expected):
+            raise ValueError(f"batch {batch_id!r} has already ended: every job has a result "
+                             "(status completed); an ended batch cannot be cancelled")
+    return marker, store.put_new(key, marker.to_json())
 
 
 @dataclass(slots=True, frozen=True)

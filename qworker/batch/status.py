@@ -47,9 +47,12 @@ from qworker.schema import error_of
 MISSING_SHOWN = 100
 
 
-def _cache_path(uri: str, batch_id: str) -> Path:
+def _cache_path(uri: str, batch_id: str, manifest: Manifest | None = None) -> Path:
+    # The manifest's creation time is part of the name: a results folder emptied and the
+    # batch id produced again there is a new batch, whose results the old cache would hide.
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    digest = hashlib.sha256(f"{uri}\n{batch_id}".encode()).hexdigest()[:24]
+    created = manifest.created if manifest is not None else None
+    digest = hashlib.sha256(f"{uri}\n{batch_id}\n{created}".encode()).hexdigest()[:24]
     return base / "qworker" / "status" / f"{digest}.v3.tsv"
 
 
@@ -161,7 +164,7 @@ def batch_status(
 ) -> dict[str, Any]:
     """The status object of ``batch_id`` under the results location ``uri``."""
     listing = scan_batch(store, batch_id)
-    cache = OutcomeCache(_cache_path(uri, batch_id) if use_cache else None)
+    cache = OutcomeCache(_cache_path(uri, batch_id, listing.manifest) if use_cache else None)
     keys = listing.result_keys
     todo = [k for k in keys if k not in cache.known]
     fetched = []

@@ -135,6 +135,9 @@ def test_cancel_writes_the_marker_once_and_status_goes_cancelling_then_cancelled
     status = _status(capsys, results, batch)
     assert status["status"] == "cancelled"
     assert status["cancelled_at"] >= status["cancelling_at"]
+    # every job answered: a cancel again is still "already cancelled", not "ended"
+    assert main(["cancel", "--from", results, "--batch-id", batch]) == 0
+    assert json.loads(capsys.readouterr().out)["already_cancelled"] is True
     assert status["request_counts"] == {"total": 6, "completed": 1, "failed": 5}
     assert status["usage"]["input_tokens"] > 0
     assert status["usage"]["total_tokens"] == (status["usage"]["input_tokens"]
@@ -177,6 +180,10 @@ def test_a_short_completion_window_stamps_deadlines_and_the_batch_expires(
     time.sleep(max(0.0, expires - time.time()) + 0.1)
     status = _status(capsys, results, batch)
     assert status["status"] == "expired" and status["expired_at"] == expires
+    # an expired batch stays expired: cancel refuses it and writes no marker
+    assert main(["cancel", "--from", results, "--batch-id", batch]) == 1
+    assert "already ended" in capsys.readouterr().err
+    assert not (root / cancel_key("", batch)).exists()
     for cid in IDS[1:]:
         put(result_key("", batch, cid), dumps(error_record(
             cid, batch, "batch_expired", "deadline passed before the job started")))
@@ -203,6 +210,10 @@ def test_status_completed_sums_usage_and_shows_the_files_collect_wrote(
         IDS[-1], batch, "invalid_request", "body.n is bad", param="n")))
     status = _status(capsys, results, batch)
     assert status["status"] == "completed" and status["completed_at"] >= status["created_at"]
+    # OpenAI: a completed batch stays completed; cancel refuses it
+    assert main(["cancel", "--from", results, "--batch-id", batch]) == 1
+    assert "already ended" in capsys.readouterr().err
+    assert _status(capsys, results, batch)["status"] == "completed"
     assert status["usage"] == {
         "input_tokens": expected_in, "input_tokens_details": {"cached_tokens": 0},
         "output_tokens": expected_out, "output_tokens_details": {"reasoning_tokens": 0},
@@ -343,3 +354,31 @@ def test_completion_window_none_sends_lines_unstamped_and_a_bad_one_is_refused(
                  "--results", results, "--completion-window", "tomorrow"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "must be a duration such as 24h" in err
+
+
+def test_the_status_cache_does_not_outlive_a_batch_produced_again_in_an_emptied_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import shutil
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    root = tmp_path / "results"
+    results, put = f"file://{root}", _put_file(root)
+    batch = _produce(tmp_path, results, "--batch-id", "again", capsys=capsys)
+    for cid in IDS:
+        put(result_key("", batch, cid), dumps(error_record(cid, batch, "model_not_found",
+                                                           "no such model", param="model")))
+
+    def cached_status() -> dict[str, Any]:
+        capsys.readouterr()
+        assert main(["status", "--from", results, "--batch-id", batch]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    assert cached_status()["request_counts"] == {"total": 6, "completed": 0, "failed": 6}
+    shutil.rmtree(root)  # the same folder and batch id, a new run
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() + 5)  # a later second
+    assert _produce(tmp_path, results, "--batch-id", "again", capsys=capsys) == batch
+    for cid in IDS:
+        put(result_key("", batch, cid), dumps(_served(tmp_path, batch, cid)))
+    assert cached_status()["request_counts"] == {"total": 6, "completed": 6, "failed": 0}
