@@ -64,6 +64,8 @@ def _router_spec(config: Any, num_experts: int, normalize: bool, in_model_dtype:
 class MoeForCausalLM(LlamaForCausalLM):
     """The Llama decoder with ``SparseMoeBlock`` feed-forward layers (see subclasses)."""
 
+    has_shared_expert = False
+
     def moe_block(self, config: Any, layer_idx: int) -> SparseMoeBlock | None:
         """Layer ``layer_idx``'s sparse block, or None where the layer is dense."""
         raise NotImplementedError
@@ -85,6 +87,12 @@ class MoeForCausalLM(LlamaForCausalLM):
         skip: tuple[str, ...] = ("rotary_emb.inv_freq",)
         if self.tie_word_embeddings:
             skip = (*skip, "lm_head.weight")
+        if self.has_shared_expert and not any(
+                m.shared_expert is not None for m in self.modules()
+                if isinstance(m, SparseMoeBlock)):
+            # shared_expert_intermediate_size 0: transformers still writes the (empty)
+            # shared expert and its gate; their product adds exactly 0
+            skip = (*skip, ".mlp.shared_expert.", ".mlp.shared_expert_gate.")
         experts: dict[str, FusedExperts] = {}
         loaded = load_weights(self, self._route_experts(weights, experts), self.stacked_params,
                               skip)

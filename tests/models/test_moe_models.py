@@ -60,6 +60,10 @@ def test_both_expert_paths_and_the_torch_backend_match(tiny_qwen2_moe_dir: Path)
                                    "norm_topk_prob": False}, [1], id="qwen3-moe-mlp-only"),
         pytest.param("qwen2_moe", {"num_hidden_layers": 3, "mlp_only_layers": [1]},
                      [0, 2], id="qwen2-moe-mlp-only"),
+        # transformers writes an empty shared expert (and its gate) for width 0
+        pytest.param("qwen2_moe", {"shared_expert_intermediate_size": 0, "num_experts": 6,
+                                   "num_experts_per_tok": 2}, [0, 1],
+                     id="qwen2-moe-no-shared-expert"),
     ],
 )
 def test_moe_config_variants_match_transformers(

@@ -52,6 +52,7 @@ from qworker.models.quant.fp8_linear import (
     Fp8Linear,
 )
 from qworker.models.quant.scheme import ActQuant, Fp8Scheme, WeightScales
+from qworker.models.tp_plan import _pattern
 
 logger = logging.getLogger(__name__)
 
@@ -84,10 +85,19 @@ def _lazy(tensor: object) -> bool:
     return isinstance(tensor, CheckpointTensor | LazyTensor)
 
 
+def _fused_checkpoint(model: nn.Module, name: str, module: nn.Module) -> bool:
+    """Whether the checkpoint ships ``module``'s parts in one tensor under its own name
+    (Phi-3's ``qkv_proj`` / ``gate_up_proj``: its tensor-parallel plan says so)."""
+    if getattr(module, "fused_checkpoint", False):
+        return True
+    plan = getattr(type(model), "tp_plan", None) or {}
+    return any(rule.fused_checkpoint and _pattern(p).match(name) for p, rule in plan.items())
+
+
 def checkpoint_names(model: nn.Module, name: str, module: nn.Module) -> list[str]:
     """The checkpoint weight names that fill ``module`` (its fused shards' sources)."""
     shards = getattr(module, "shards", None)
-    if not shards or list(shards) == [""]:
+    if not shards or list(shards) == [""] or _fused_checkpoint(model, name, module):
         return [f"{name}.weight"]
     rules = getattr(type(model), "stacked_params", [])
     dotted = f".{name}."

@@ -94,6 +94,22 @@ def tiny_fp8_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "fp8"
 
 
+@pytest.fixture(scope="module")
+def tiny_phi3_fp8_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Phi-3 (fused qkv_proj / gate_up_proj in the checkpoint) as compressed-tensors FP8
+    with static input scales: each rank quantizes its rows of the fused layers."""
+    root = tmp_path_factory.mktemp("tiny_phi3_fp8")
+    dense = make_tiny_model_dir("phi3", root / "dense", seed=42, rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75})
+    _in_another_process(
+        "import sys; from pathlib import Path; "
+        "from tests.engine.reference import random_prompts; "
+        "from tests.models.quant.checkpoints import write_compressed_tensors; "
+        "write_compressed_tensors(Path(sys.argv[1]), Path(sys.argv[2]), 'FP8', "
+        "calibration=random_prompts(3, 5, 30, seed=9))", str(dense), str(root / "fp8"))
+    return root / "fp8"
+
+
 def _hf_greedy_all(path: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
     """transformers' greedy continuations (``hf_greedy``), from another process for an
     FP8 checkpoint (see ``_in_another_process``)."""
@@ -150,6 +166,7 @@ def test_two_ranks_match_one_rank_and_transformers_for_every_architecture(
     # longrope: a 64-token context keeps the short factors, as transformers picks them
     pytest.param("tiny_phi3_dir", {"max_model_len": 64}, id="phi3"),
     pytest.param("tiny_fp8_dir", {}, id="fp8-compressed-tensors"),
+    pytest.param("tiny_phi3_fp8_dir", {}, id="phi3-fp8-compressed-tensors"),
 ])
 def test_gemma_moe_phi3_and_fp8_on_two_ranks_match_one_rank_and_transformers(
         group: TensorParallelGroup, fixture: str, kwargs: dict[str, Any],

@@ -76,6 +76,20 @@ def test_online_fp8_equals_compressed_tensors_own_dynamic_fp8(dense_dir: Path,
     assert _diff(dense_dir, dense_dir, quantization="fp8") > 1e-3
 
 
+def test_phi3_fused_checkpoint_layers_quantize_as_transformers(tmp_path: Path) -> None:
+    """Phi-3 ships qkv_proj / gate_up_proj fused under their own names: they are FP8 layers
+    like the others (they were left dense, their inputs unquantized), from the checkpoint
+    and under online FP8."""
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
+    dense = make_tiny_model_dir("phi3", tmp_path / "dense", seed=42, rope_parameters=rope)
+    ct = write_compressed_tensors(dense, tmp_path / "ct", "FP8_DYNAMIC")
+    layer = load_model(ct, torch.float32, "cpu").model.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, ActQuantFusedLinear)
+    assert isinstance(layer.mlp.gate_up_proj, ActQuantFusedLinear)
+    assert _diff(ct) < ATOL
+    assert _diff(dense, ct, quantization="fp8") < ATOL
+
+
 def test_quantization_none_runs_an_fp8_checkpoint_dequantized(ct_dynamic_dir: Path) -> None:
     loaded = load_model(ct_dynamic_dir, torch.float32, "cpu", quantization="none")
     assert not any(isinstance(m, ActQuantLinear | ActQuantFusedLinear)
