@@ -215,51 +215,48 @@ class Fp8RowParallelLinear(Fp8FusedLinear):
             raise KeyError(f"{kind}: not a parameter of an FP8 layer")
 
 
-def _init_act_quant(layer: torch.nn.Module, act: ActQuant, group_size: int | None) -> None:
-    """The activation-quantization state of an ``ActQuant*ParallelLinear``: the scheme, its
-    group size, and a static scale to load (``STATIC_TENSOR`` only)."""
-    layer.act = act
-    layer.group_size = group_size
-    layer.input_scale = (torch.nn.Parameter(torch.empty(1), requires_grad=False)
-                         if act is ActQuant.STATIC_TENSOR else None)
-    layer._input_scale_seen = set()
+class _ActQuant(_InputScale):
+    """What both ``ActQuant*ParallelLinear`` add to their dense parallel layer (listed
+    first in their bases, so ``super()`` reaches that layer): the input FP8-quantized-
+    dequantized before the matmul, and a static ``input_scale`` to load."""
+
+    act: ActQuant
+    group_size: int | None
+
+    def _init_act_quant(self, act: ActQuant, group_size: int | None) -> None:
+        self.act = act
+        self.group_size = group_size
+        self.input_scale = (torch.nn.Parameter(torch.empty(1), requires_grad=False)
+                            if act is ActQuant.STATIC_TENSOR else None)
+        self._input_scale_seen = set()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The parallel layer's forward of ``fq(x)``."""
+        return super().forward(_fake_quant(self, x))  # type: ignore[misc]
+
+    def load_checkpoint(self, part: str | None, kind: str, tensor: Readable) -> None:
+        """As the parallel layer's ``load_checkpoint``, plus a static ``input_scale``."""
+        if kind == "input_scale":
+            self._load_input_scale(part or "", read_all(tensor))
+        else:
+            super().load_checkpoint(part, kind, tensor)  # type: ignore[misc]
 
 
-class ActQuantColumnParallelLinear(ColumnParallelLinear, _InputScale):
-    """A dense column-parallel slice whose input is FP8-quantized-dequantized (CPU)."""
+class ActQuantColumnParallelLinear(_ActQuant, ColumnParallelLinear):
+    """A dense column-parallel slice whose input is FP8-quantized-dequantized (CPU):
+    ``fq(x) @ W_r.T + b_r``."""
 
     def __init__(self, in_features: int, parts: dict[str, RowRange], bias: bool,
                  fused_checkpoint: bool, act: ActQuant, group_size: int | None) -> None:
-        super().__init__(in_features, parts, bias, fused_checkpoint)
-        _init_act_quant(self, act, group_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``fq(x) @ W_r.T + b_r``."""
-        return super().forward(_fake_quant(self, x))
-
-    def load_checkpoint(self, part: str | None, kind: str, tensor: Readable) -> None:
-        """As ``ColumnParallelLinear.load_checkpoint``, plus a static ``input_scale``."""
-        if kind == "input_scale":
-            self._load_input_scale(part or "", read_all(tensor))
-        else:
-            super().load_checkpoint(part, kind, tensor)
+        ColumnParallelLinear.__init__(self, in_features, parts, bias, fused_checkpoint)
+        self._init_act_quant(act, group_size)
 
 
-class ActQuantRowParallelLinear(RowParallelLinear, _InputScale):
-    """A dense row-parallel slice whose input slice is FP8-quantized-dequantized (CPU)."""
+class ActQuantRowParallelLinear(_ActQuant, RowParallelLinear):
+    """A dense row-parallel slice whose input slice is FP8-quantized-dequantized (CPU):
+    ``sum over ranks (fq(x_r) @ W_r.T) + b``."""
 
     def __init__(self, cols: RowRange, out_features: int, bias: bool, shard: ShardInfo,
                  reduce: bool, act: ActQuant, group_size: int | None) -> None:
-        super().__init__(cols, out_features, bias, shard, reduce)
-        _init_act_quant(self, act, group_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``sum over ranks (fq(x_r) @ W_r.T) + b``."""
-        return super().forward(_fake_quant(self, x))
-
-    def load_checkpoint(self, part: str | None, kind: str, tensor: Readable) -> None:
-        """As ``RowParallelLinear.load_checkpoint``, plus a static ``input_scale``."""
-        if kind == "input_scale":
-            self._load_input_scale(part or "", read_all(tensor))
-        else:
-            super().load_checkpoint(part, kind, tensor)
+        RowParallelLinear.__init__(self, cols, out_features, bias, shard, reduce)
+        self._init_act_quant(act, group_size)
