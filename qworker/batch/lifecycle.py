@@ -29,6 +29,7 @@ import os
 import re
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 
@@ -76,12 +77,21 @@ class CancelMarker:
     @classmethod
     def from_json(cls, data: bytes, batch_id: str) -> CancelMarker:
         """Parse a stored marker; an unreadable one still cancels (time 0)."""
-        try:
-            obj = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            obj = None
-        at = obj.get("cancelling_at") if isinstance(obj, dict) else None
-        return cls(batch_id, int(at) if isinstance(at, int | float) else 0)
+        return cls(batch_id, _unix(_object(data).get("cancelling_at")))
+
+
+def _object(data: bytes) -> dict[str, Any]:
+    """A stored marker's JSON object; ``{}`` when it is not one (unreadable)."""
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return {}
+    return obj if isinstance(obj, dict) else {}
+
+
+def _unix(value: Any) -> int:
+    """A marker's time field as unix seconds; 0 when it is not a number."""
+    return int(value) if isinstance(value, int | float) else 0
 
 
 def read_cancel(store: BatchStore, batch_id: str) -> CancelMarker | None:
@@ -142,13 +152,8 @@ def read_failed(store: BatchStore, batch_id: str) -> FailedMarker | None:
     data = store.get(failed_key(store.prefix, batch_id))
     if data is None:
         return None
-    try:
-        obj = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        obj = None
-    obj = obj if isinstance(obj, dict) else {}
-    at = obj.get("failed_at")
-    return FailedMarker(batch_id, int(at) if isinstance(at, int | float) else 0,
+    obj = _object(data)
+    return FailedMarker(batch_id, _unix(obj.get("failed_at")),
                         str(obj.get("error") or "produce did not finish"))
 
 
@@ -179,11 +184,8 @@ def read_collected(store: BatchStore, batch_id: str) -> Collected | None:
     data = store.get(collected_key(store.prefix, batch_id))
     if data is None:
         return None
-    try:
-        obj = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("output_file_id"), str):
+    obj = _object(data)
+    if not isinstance(obj.get("output_file_id"), str):
         return None
     error = obj.get("error_file_id")
     return Collected(obj["output_file_id"], error if isinstance(error, str) else None,
