@@ -32,10 +32,11 @@ import torch.nn.functional as F
 
 from qworker.engine.config import EngineConfig, check_config, served_model_name
 from qworker.engine.engine_setup import (
-    _pack_cpu_linears,
     available_cores,
+    pack_cpu_linears,
     resolve_device,
     resolve_dtype,
+    set_cpu_threads,
 )
 from qworker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from qworker.engine.sampling_params import SamplingParams
@@ -83,10 +84,7 @@ class EmbeddingEngine:
         dtype = resolve_dtype(config.dtype, device)
         torch.manual_seed(config.seed)
         cores = available_cores()
-        if device.type == "cpu":
-            threads = config.cpu_threads or max(1, cores - 1)
-            if torch.get_num_threads() != threads:
-                torch.set_num_threads(threads)
+        set_cpu_threads(device, config.cpu_threads, cores)
         cache = Path(config.model_cache) if config.model_cache else None
         loaded = load_embedding_model(config.model, dtype, device, cache_dir=cache,
                                       load_format=config.load_format)
@@ -96,7 +94,7 @@ class EmbeddingEngine:
         self.device, self.dtype = device, dtype
         self.gemm_threads = 0
         if device.type == "cpu" and dtype == torch.float32:
-            self.gemm_threads = _pack_cpu_linears(self.model, config.cpu_threads or cores)
+            self.gemm_threads = pack_cpu_linears(self.model, config.cpu_threads or cores)
         from qworker.models.loader import load_tokenizer
 
         self.tokenizer = load_tokenizer(config.tokenizer or loaded.source, cache_dir=cache)

@@ -121,6 +121,15 @@ class RunnerParts:
     selftest: SelftestReport
 
 
+def set_cpu_threads(device: torch.device, cpu_threads: int | None, cores: int) -> None:
+    """On the CPU, torch's intra-op threads: ``cpu_threads``, else ``cores`` (this engine's
+    or this rank's share) less one, which the worker's event loop and preparation keep."""
+    if device.type == "cpu":
+        threads = cpu_threads or max(1, cores - 1)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+
+
 def build_engine_parts(config: EngineConfig, tp_group: Any = None,
                        kernels: KernelRunner | None = None) -> EngineParts:
     """Load the model and tokenizer, size the pool, and wire the engine's parts.
@@ -188,10 +197,7 @@ def build_runner(config: EngineConfig, group: Any = None,
     if config.seed is not None:
         torch.manual_seed(config.seed)
     share = max(1, available_cores() // world)  # the cores of one rank
-    if device.type == "cpu":
-        threads = config.cpu_threads or max(1, share - 1)
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
+    set_cpu_threads(device, config.cpu_threads, share)
     cache = Path(config.model_cache) if config.model_cache else None
     loaded = load_model(config.model, dtype, device, cache_dir=cache,
                         load_format=config.load_format, quantization=config.quantization,
@@ -221,7 +227,7 @@ def build_runner(config: EngineConfig, group: Any = None,
     if device.type == "cuda":
         fused_kernels.enable(fused)
     elif backend.name == "cpu" and spec.dtype == torch.float32:
-        gemm_threads = _pack_cpu_linears(loaded.model, config.cpu_threads or share)
+        gemm_threads = pack_cpu_linears(loaded.model, config.cpu_threads or share)
         logger.info("CPU threads: %d for torch's ops, %s for the packed matmuls",
                     torch.get_num_threads(), gemm_threads or "none (torch's matmul)")
     loaded_at = time.perf_counter()
@@ -290,7 +296,7 @@ def build_runner(config: EngineConfig, group: Any = None,
                        selftest)
 
 
-def _pack_cpu_linears(model: torch.nn.Module, threads: int) -> int:
+def pack_cpu_linears(model: torch.nn.Module, threads: int) -> int:
     """The fast CPU path's linear layers: weights packed for ``qworker.models.cpu_gemm``,
     run on ``threads`` threads; returns the threads in use, 0 (weights kept as they are)
     when its kernel cannot be built here."""
