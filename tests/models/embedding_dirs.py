@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from qworker.engine.embedding_engine import EmbeddingEngine
+from qworker.engine.config import EngineConfig
+from qworker.engine.embedding_engine import EmbeddingEngine
 
 VOCAB = 512
 #: fp32 parity with transformers' hidden states under the pooling rule.
@@ -38,6 +38,13 @@ _CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "sliding_window": 7}),
 }
+
+
+def embedding_engine(path: Path, **kwargs: object) -> EmbeddingEngine:
+    """An fp32 CPU ``EmbeddingEngine`` on ``path`` (task ``embed`` unless given)."""
+    kwargs.setdefault("task", "embed")
+    return EmbeddingEngine(EngineConfig(model=str(path), dtype="float32", device="cpu",
+                                        **kwargs))  # type: ignore[arg-type]
 
 
 def make_embedding_dir(kind: str, path: Path, model_class: str | None = None, seed: int = 0,

@@ -8,21 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from qworker.engine.config import EngineConfig
-from qworker.engine.embedding_engine import EmbeddingEngine
 from tests.models.embedding_dirs import (
     ATOL,
     add_sentence_transformers_modules,
     embed_requests,
+    embedding_engine,
     make_embedding_dir,
     random_inputs,
     reference_vectors,
 )
-
-
-def _engine(path: Path, **kwargs: object) -> EmbeddingEngine:
-    return EmbeddingEngine(EngineConfig(model=str(path), dtype="float32", device="cpu",
-                                        task="embed", **kwargs))
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +26,7 @@ def bert_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_bert_without_modules_json_pools_cls_normalized_across_packed_steps(
         bert_dir: Path) -> None:
-    engine = _engine(bert_dir, max_num_batched_tokens=40)
+    engine = embedding_engine(bert_dir, max_num_batched_tokens=40)
     assert (engine.embedding_dim, engine.max_model_len) == (64, 96)
     inputs = random_inputs([3, 17, 9, 30, 50, 5, 1, 12])
     requests = [inputs[0:2], inputs[2:3], inputs[3:6], inputs[6:8]]
@@ -48,7 +42,7 @@ def test_sentence_transformers_folder_concatenates_modes_and_caps_the_length(
     path = make_embedding_dir("bert", tmp_path / "st", seed=1)
     add_sentence_transformers_modules(path, ["cls", "max", "mean"], normalize=True,
                                       max_seq_length=24)
-    engine = _engine(path)
+    engine = embedding_engine(path)
     assert (engine.embedding_dim, engine.max_model_len) == (3 * 64, 24)
     inputs = random_inputs([24, 2, 11, 7], seed=2)
     got, steps = embed_requests(engine, [inputs])
@@ -61,7 +55,7 @@ def test_dimensions_truncate_then_renormalize(tmp_path: Path) -> None:
     path = add_sentence_transformers_modules(
         make_embedding_dir("bert", tmp_path / "m", seed=3), ["mean"], normalize=True)
     inputs = random_inputs([6, 13], seed=3)
-    got, _ = embed_requests(_engine(path), [inputs], dimensions=16)
+    got, _ = embed_requests(embedding_engine(path), [inputs], dimensions=16)
     full = reference_vectors(path, inputs, ["mean"], normalize=True)
     want = torch.nn.functional.normalize(full[:, :16], dim=-1)
     assert got[0].shape == (2, 16)
@@ -73,7 +67,7 @@ def test_unnormalized_mean_pooling_keeps_the_raw_vector_until_cut_to_dimensions(
     path = add_sentence_transformers_modules(
         make_embedding_dir("bert", tmp_path / "m", seed=4), ["mean"], normalize=False)
     inputs = random_inputs([9, 4, 20], seed=4)
-    engine = _engine(path, max_num_batched_tokens=16)
+    engine = embedding_engine(path, max_num_batched_tokens=16)
     got, _ = embed_requests(engine, [inputs[:2], inputs[2:]])
     want = reference_vectors(path, inputs, ["mean"], normalize=False)
     torch.testing.assert_close(torch.cat(got), want, atol=ATOL, rtol=0)
@@ -88,7 +82,7 @@ def test_masked_lm_checkpoint_loads_its_encoder(tmp_path: Path) -> None:
 
     path = make_embedding_dir("bert", tmp_path / "mlm", model_class="BertForMaskedLM", seed=5)
     inputs = random_inputs([8, 15], seed=5)
-    got, _ = embed_requests(_engine(path), [inputs])
+    got, _ = embed_requests(embedding_engine(path), [inputs])
     mlm = transformers.BertForMaskedLM.from_pretrained(str(path)).eval()
     with torch.no_grad():
         cls = torch.stack([mlm.bert(input_ids=torch.tensor([ids])).last_hidden_state[0, 0]
@@ -100,7 +94,7 @@ def test_masked_lm_checkpoint_loads_its_encoder(tmp_path: Path) -> None:
 def test_xlm_roberta_positions_start_after_the_padding_index(tmp_path: Path) -> None:
     path = add_sentence_transformers_modules(
         make_embedding_dir("xlm-roberta", tmp_path / "xlmr", seed=6), ["mean"], normalize=True)
-    engine = _engine(path, max_num_batched_tokens=64)
+    engine = embedding_engine(path, max_num_batched_tokens=64)
     assert engine.max_model_len == 66 - 2  # positions 0..1 belong to padding
     inputs = random_inputs([64, 5, 33, 12], seed=6)
     got, steps = embed_requests(engine, [inputs[:1], inputs[1:]])

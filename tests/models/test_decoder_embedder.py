@@ -8,24 +8,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from qworker.engine.config import EngineConfig
-from qworker.engine.embedding_engine import EmbeddingEngine
 from qworker.models.embedding_loader import resolve_task
 from tests.fixtures.models import make_tiny_model_dir
 from tests.models.embedding_dirs import (
     ATOL,
     add_sentence_transformers_modules,
     embed_requests,
+    embedding_engine,
     make_embedding_dir,
     random_inputs,
     reference_vectors,
 )
-
-
-def _engine(path: Path, **kwargs: object) -> EmbeddingEngine:
-    kwargs.setdefault("task", "embed")
-    return EmbeddingEngine(EngineConfig(model=str(path), dtype="float32", device="cpu",
-                                        **kwargs))
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "llama", "mistral"])
@@ -34,7 +27,7 @@ def test_decoder_backbone_pools_the_last_token_normalized_by_default(
     # mistral: a 7-token sliding window, shorter than most inputs here
     path = make_embedding_dir(kind, tmp_path / kind)
     assert resolve_task("auto", path) == "embed"  # a *Model class has no LM head
-    engine = _engine(path, max_num_batched_tokens=48)
+    engine = embedding_engine(path, max_num_batched_tokens=48)
     assert engine.embedding_dim == 64
     inputs = random_inputs([5, 31, 12, 1, 40, 9], seed=7)
     got, steps = embed_requests(engine, [inputs[:3], inputs[3:5], inputs[5:]])
@@ -51,7 +44,7 @@ def test_causal_lm_in_a_sentence_transformers_folder_embeds_with_its_pooling(
     assert resolve_task("auto", path) == "generate"
     add_sentence_transformers_modules(path, ["mean"], normalize=False, max_seq_length=100)
     assert resolve_task("auto", path) == "embed"  # the Pooling module decides
-    engine = _engine(path, task="auto")
+    engine = embedding_engine(path, task="auto")
     assert engine.max_model_len == 100
     inputs = random_inputs([7, 22, 3], seed=8)
     got, _ = embed_requests(engine, [inputs])
